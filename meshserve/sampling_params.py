@@ -1,0 +1,80 @@
+"""SamplingParams: how one request's tokens are chosen and when it stops. Validated on creation."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+MAX_LOGPROBS = 20
+
+
+def _check_range(name: str, value, lo=None, hi=None, lo_open=False, hint: str = "") -> None:
+    bad = (lo is not None and (value <= lo if lo_open else value < lo)) or (hi is not None and value > hi)
+    if bad:
+        left = "(" if lo_open else "["
+        lo_s = "-inf" if lo is None else repr(lo)
+        hi_s = "inf" if hi is None else repr(hi)
+        raise ValueError(f"{name} must be in {left}{lo_s}, {hi_s}]{hint}, got {value!r}")
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    # Filled by the engine, not by users: the token ids that end generation (EOS).
+    _eos_token_ids: tuple[int, ...] = field(default=(), repr=False)
+
+    def __post_init__(self) -> None:
+        for name in ("n", "top_k", "min_tokens"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise ValueError(f"{name} must be an integer, got {v!r}")
+        _check_range("n", self.n, 1, 128)
+        _check_range("temperature", float(self.temperature), 0.0, 100.0)
+        _check_range("top_p", float(self.top_p), 0.0, 1.0, lo_open=True)
+        if self.top_k != -1:
+            _check_range("top_k", self.top_k, 1, None, hint=" or -1 (disabled)")
+        _check_range("min_p", float(self.min_p), 0.0, 1.0)
+        _check_range("presence_penalty", float(self.presence_penalty), -2.0, 2.0)
+        _check_range("frequency_penalty", float(self.frequency_penalty), -2.0, 2.0)
+        _check_range("repetition_penalty", float(self.repetition_penalty), 0.0, 2.0, lo_open=True)
+        if self.max_tokens is not None:
+            if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
+                raise ValueError(f"max_tokens must be an integer, got {self.max_tokens!r}")
+            _check_range("max_tokens", self.max_tokens, 1, None)
+        _check_range("min_tokens", self.min_tokens, 0, None)
+        if self.logprobs is not None:
+            if isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int):
+                raise ValueError(f"logprobs must be an integer, got {self.logprobs!r}")
+            _check_range("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError("stop must be a non-empty string or a list of non-empty strings")
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise ValueError("stop_token_ids must be a list of non-negative integers")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-5
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1.0
