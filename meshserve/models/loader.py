@@ -26,7 +26,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_ID = "SmolLM2-135M-Instruct"
 _DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-_CONVERSION_VERSION = "1"  # bump when the GGUF -> safetensors conversion changes
+_CONVERSION_VERSION = "2"  # bump when the GGUF -> safetensors conversion changes
 
 
 def cache_dir() -> Path:
@@ -114,7 +114,7 @@ def _gguf_fields(reader) -> dict:
 def _unpermute_rope(w: np.ndarray, n_head: int) -> np.ndarray:
     """llama.cpp stores q/k rows interleaved for its rotary kernel; undo it to the HF rotate-half order."""
     rows = w.shape[0]
-    return (w.reshape(n_head, 2, rows // n_head // 2, *w.shape[1:])
+    return (w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:])
              .swapaxes(1, 2).reshape(w.shape))
 
 

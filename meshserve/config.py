@@ -1,0 +1,133 @@
+"""EngineConfig: every engine knob, validated once at the edge with messages a user can act on."""
+from __future__ import annotations
+
+import argparse
+from dataclasses import asdict, dataclass, field, fields
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
+CPU_DEFAULT_KV_BYTES = 4 << 30  # like vLLM's CPU backend: 4 GiB unless told otherwise
+
+
+def _positive_int(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = "default"
+    served_model_name: str | None = None
+    tokenizer: str | None = None  # a HF tokenizer directory, when it differs from the model's
+    dtype: str = "auto"
+    device: str = "auto"
+    load_format: str = "auto"
+    seed: int = 0
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    pipeline_split: list[int] | None = None  # layers per stage; even split when None
+    distributed_executor_backend: str = "mp"
+    profile_dir: str | None = None  # torch.profiler traces of the workers go here when set
+    extra: dict = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        self.dtype = _DTYPE_ALIASES.get(self.dtype, self.dtype)
+        if self.dtype != "auto" and self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}, got {self.dtype!r}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device='cuda' was requested but no CUDA device is available")
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
+        for name in ("max_num_seqs", "block_size", "tensor_parallel_size", "pipeline_parallel_size"):
+            _positive_int(name, getattr(self, name))
+        for name in ("max_model_len", "max_num_batched_tokens", "kv_cache_memory_bytes"):
+            if getattr(self, name) is not None:
+                _positive_int(name, getattr(self, name))
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        if self.distributed_executor_backend not in ("mp", "ray", "uni"):
+            raise ValueError("distributed_executor_backend must be 'mp' or 'ray', "
+                             f"got {self.distributed_executor_backend!r}")
+        if self.pipeline_split is not None and len(self.pipeline_split) != self.pipeline_parallel_size:
+            raise ValueError(f"pipeline_split has {len(self.pipeline_split)} entries but "
+                             f"pipeline_parallel_size is {self.pipeline_parallel_size}")
+
+    # ---- resolved values --------------------------------------------------------------
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    def resolved_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def resolved_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":  # bf16 on GPUs, fp32 on CPUs (CPU bf16 matmuls are slow without AMX)
+            return torch.bfloat16 if self.resolved_device().type == "cuda" else torch.float32
+        return _DTYPES[self.dtype]
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.pop("extra")
+        return d
+
+    # ---- CLI --------------------------------------------------------------------------
+    @staticmethod
+    def add_cli_args(p: argparse.ArgumentParser, with_model: bool = True) -> None:
+        if with_model:
+            p.add_argument("model", nargs="?", default="default",
+                           help="'default' (embedded SmolLM2-135M-Instruct), a .gguf file, a HF model "
+                                "directory, or a config.json with --load-format dummy")
+        g = p.add_argument_group("engine")
+        g.add_argument("--tokenizer", default=None, help="HF tokenizer directory, if not the model's own")
+        g.add_argument("--dtype", default="auto", help="auto (bf16 on GPU, float32 on CPU), float32, bfloat16, float16")
+        g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+        g.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
+        g.add_argument("--seed", type=int, default=0)
+        g.add_argument("--max-model-len", type=int, default=None)
+        g.add_argument("--max-num-seqs", type=int, default=256)
+        g.add_argument("--max-num-batched-tokens", type=int, default=None)
+        g.add_argument("--block-size", type=int, default=16)
+        g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+        g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
+        g.add_argument("--kv-cache-memory", dest="kv_cache_memory_bytes", type=_parse_bytes, default=None,
+                       metavar="BYTES", help="KV cache budget per rank, e.g. 2GiB or 500000000")
+        g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+        g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+        g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
+        g.add_argument("--pipeline-split", type=lambda s: [int(x) for x in s.split(",")], default=None,
+                       metavar="N,N,...", help="layers per pipeline stage (default: even)")
+        g.add_argument("--distributed-executor-backend", default="mp", choices=["mp", "ray"])
+        g.add_argument("--profile-dir", default=None, help="write a torch.profiler trace per worker here")
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> "EngineConfig":
+        names = {f.name for f in fields(cls)} - {"extra"}
+        return cls(**{k: v for k, v in vars(args).items() if k in names})
+
+
+def _parse_bytes(text: str) -> int:
+    units = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30}
+    t = text.strip().lower()
+    num = t.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = t[len(num):]
+    try:
+        value = float(num)
+    except ValueError:
+        value = -1
+    if unit not in units or value <= 0:
+        raise argparse.ArgumentTypeError(f"invalid byte size {text!r}: use e.g. 2GiB, 512MiB or 1000000000")
+    return int(value * units[unit])

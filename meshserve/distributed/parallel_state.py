@@ -1,0 +1,101 @@
+"""Process groups of one replica and timed collectives.
+
+A replica has TP x PP ranks; rank = pp_rank * tp_size + tp_rank. With a world of one process nothing
+here touches torch.distributed, so the single-device path has no communication at all.
+Every collective adds its wall time to `comm_timer`, which the runner reports as the step's
+communication share (the time in cross-device reduction).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class CommTimer:
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    def add(self, kind: str, dt: float) -> None:
+        self.seconds[kind] = self.seconds.get(kind, 0.0) + dt
+
+    def take(self) -> dict[str, float]:
+        out, self.seconds = self.seconds, {}
+        return out
+
+
+@dataclass
+class ParallelState:
+    tp_size: int = 1
+    pp_size: int = 1
+    tp_rank: int = 0
+    pp_rank: int = 0
+    tp_group: object = None  # torch.distributed ProcessGroup of this rank's TP peers
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    comm_timer: CommTimer = field(default_factory=CommTimer)
+
+    @property
+    def rank(self) -> int:
+        return self.pp_rank * self.tp_size + self.tp_rank
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return x
+        self._sync()
+        t0 = time.perf_counter()
+        dist.all_reduce(x, group=self.tp_group)
+        self._sync()
+        self.comm_timer.add("all_reduce", time.perf_counter() - t0)
+        return x
+
+    def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
+        """Concatenate each TP rank's slice of the last dimension (vocab-parallel logits)."""
+        if self.tp_size == 1:
+            return x
+        self._sync()
+        t0 = time.perf_counter()
+        parts = [torch.empty_like(x) for _ in range(self.tp_size)]
+        dist.all_gather(parts, x.contiguous(), group=self.tp_group)
+        self._sync()
+        self.comm_timer.add("all_gather", time.perf_counter() - t0)
+        return torch.cat(parts, dim=-1)
+
+    def send(self, x: torch.Tensor, dst: int) -> None:
+        self._sync()
+        t0 = time.perf_counter()
+        dist.send(x.contiguous(), dst)
+        self.comm_timer.add("send_recv", time.perf_counter() - t0)
+
+    def recv(self, shape, dtype, src: int) -> torch.Tensor:
+        x = torch.empty(shape, dtype=dtype, device=self.device)
+        t0 = time.perf_counter()
+        dist.recv(x, src)
+        self._sync()
+        self.comm_timer.add("send_recv", time.perf_counter() - t0)
+        return x
+
+
+_STATE = ParallelState()
+
+
+def get_parallel_state() -> ParallelState:
+    return _STATE
+
+
+def set_parallel_state(state: ParallelState) -> None:
+    global _STATE
+    _STATE = state

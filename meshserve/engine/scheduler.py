@@ -1,0 +1,119 @@
+"""Scheduler: one token-budget rule, no prefill or decode phase.
+
+Each step, every scheduled sequence's computed-token count catches up with its token count as far
+as the budget (`max_num_batched_tokens`) allows: running sequences first (so decodes are never
+starved by a long prompt), then waiting ones in arrival order. A long prompt is split across steps
+(chunked prefill), a prefix-cache hit simply starts a sequence with tokens already computed.
+When blocks run out, the most recently admitted running sequence is preempted: its blocks are freed
+and it waits at the head of the queue to be recomputed later (its generated tokens are kept).
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from meshserve.engine.block_manager import BlockManager
+from meshserve.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    start: int  # first position computed this step (= tokens already in the cache)
+    num_tokens: int
+
+    @property
+    def completes(self) -> bool:
+        """After this step every token is computed, so the sequence samples its next token."""
+        return self.start + self.num_tokens == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 enable_chunked_prefill: bool = True):
+        self.bm = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            start = seq.num_computed_tokens
+            n = min(seq.num_tokens - start, budget)
+            while not self.bm.allocate_slots(seq, n):
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    break
+            if seq.status is not SequenceStatus.RUNNING:
+                break
+            out.scheduled.append(ScheduledSeq(seq, start, n))
+            budget -= n
+            i += 1
+        # Admitting new work right after a preemption would only thrash the cache.
+        while not out.preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            prefix = self.bm.find_cached_prefix(seq)
+            start = len(prefix) * self.bm.block_size
+            n = seq.num_tokens - start
+            if n > budget and not self.enable_chunked_prefill:
+                break
+            n = min(n, budget)
+            if not self.bm.allocate_slots(seq, n, prefix):
+                break
+            self.waiting.popleft()
+            self.bm.prefix_queries += seq.num_tokens
+            self.bm.prefix_hits += start
+            if seq.num_cached_tokens < 0:
+                seq.num_cached_tokens = start
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.scheduled.append(ScheduledSeq(seq, start, n))
+            budget -= n
+        return out
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.bm.free(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence, reason: str, stop_reason=None) -> None:
+        """Finish (or abort) a sequence wherever it is and return its blocks to the pool."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        self.bm.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        seq.stop_reason = stop_reason

@@ -1,0 +1,55 @@
+"""Sequence: the scheduler's unit. A request with n > 1 samples owns n sequences sharing its prompt."""
+from __future__ import annotations
+
+import enum
+import itertools
+
+from meshserve.sampling_params import SamplingParams
+
+_ids = itertools.count()
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    def __init__(self, request_id: str, index: int, prompt_token_ids: list[int], params: SamplingParams,
+                 arrival_time: float):
+        self.seq_id = next(_ids)
+        self.request_id = request_id
+        self.index = index
+        self.params = params
+        self.arrival_time = arrival_time
+        self.token_ids: list[int] = list(prompt_token_ids)  # prompt, then generated tokens
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.num_computed_tokens = 0  # tokens whose K/V are in the cache
+        self.block_table: list[int] = []
+        self.block_hashes: list[int] = []  # hash chain of this sequence's full blocks, filled lazily
+        self.num_cached_tokens = -1  # prefix-cache hit at first scheduling; -1 = not yet scheduled
+        self.status = SequenceStatus.WAITING
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.num_preemptions = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def __repr__(self) -> str:
+        return (f"Sequence(id={self.seq_id}, tokens={self.num_tokens}, computed={self.num_computed_tokens}, "
+                f"blocks={len(self.block_table)}, {self.status.value})")

@@ -1,0 +1,76 @@
+"""Paged attention in plain PyTorch.
+
+The runner packs a step's sequences into one flat token dimension, prefills (query length > 1)
+first, then decodes (query length 1). `AttentionMetadata` says where each new token's K/V goes
+(`slot_mapping`) and which cache blocks each sequence reads, so the model code knows nothing about
+batching. Per layer, all new K/V are written before any sequence attends: a sequence that shares a
+prefix block computed in the same step therefore reads it fully written.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillSeq:
+    q_start: int
+    q_end: int
+    num_cached: int  # tokens already in the cache before this chunk (prefix hit or earlier chunks)
+    block_table: torch.Tensor | None  # needed only when num_cached > 0
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] flat cache slot of every new token
+    prefills: list[PrefillSeq]
+    num_prefill_tokens: int
+    decode_block_tables: torch.Tensor | None = None  # [B, max_blocks]
+    decode_mask: torch.Tensor | None = None  # [B, 1, 1, max_blocks * block_size] True = attend
+
+
+class PagedAttention:
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.group = num_heads // num_kv_heads
+
+    def __call__(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+        """q: [T, H, D]; k, v: [T, KVH, D]; caches: [num_blocks, block_size, KVH, D]. Returns [T, H, D]."""
+        kvh, d = self.num_kv_heads, self.head_dim
+        k_cache.view(-1, kvh, d).index_copy_(0, meta.slot_mapping, k)
+        v_cache.view(-1, kvh, d).index_copy_(0, meta.slot_mapping, v)
+        out = torch.empty_like(q)
+        for p in meta.prefills:
+            out[p.q_start:p.q_end] = self._prefill(q[p.q_start:p.q_end], k[p.q_start:p.q_end],
+                                                   v[p.q_start:p.q_end], k_cache, v_cache, p)
+        if meta.decode_block_tables is not None:
+            n = meta.num_prefill_tokens
+            out[n:] = self._decode(q[n:], k_cache, v_cache, meta)
+        return out
+
+    def _prefill(self, q, k, v, k_cache, v_cache, p: PrefillSeq) -> torch.Tensor:
+        qt = q.transpose(0, 1).unsqueeze(0)  # [1, H, L, D]
+        if p.num_cached == 0:
+            o = F.scaled_dot_product_attention(qt, k.transpose(0, 1).unsqueeze(0),
+                                               v.transpose(0, 1).unsqueeze(0), is_causal=True, enable_gqa=True)
+        else:
+            ctx = p.num_cached + q.shape[0]
+            kk = k_cache[p.block_table].flatten(0, 1)[:ctx]  # [ctx, KVH, D]
+            vv = v_cache[p.block_table].flatten(0, 1)[:ctx]
+            pos = torch.arange(p.num_cached, ctx, device=q.device)
+            mask = torch.arange(ctx, device=q.device)[None, :] <= pos[:, None]
+            o = F.scaled_dot_product_attention(qt, kk.transpose(0, 1).unsqueeze(0),
+                                               vv.transpose(0, 1).unsqueeze(0), attn_mask=mask, enable_gqa=True)
+        return o.squeeze(0).transpose(0, 1)
+
+    def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+        b = q.shape[0]
+        kvh, d = self.num_kv_heads, self.head_dim
+        # [B, blocks, bs, KVH, D] -> [B, KVH, L, D]; query heads grouped by their KV head, so no repeat.
+        kk = k_cache[meta.decode_block_tables].flatten(1, 2).transpose(1, 2)
+        vv = v_cache[meta.decode_block_tables].flatten(1, 2).transpose(1, 2)
+        qg = q.view(b, kvh, self.group, d)
+        o = F.scaled_dot_product_attention(qg, kk, vv, attn_mask=meta.decode_mask)
+        return o.reshape(b, self.num_heads, d)

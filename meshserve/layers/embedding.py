@@ -1,0 +1,43 @@
+"""Vocabulary-parallel embedding and LM head: each TP rank owns a contiguous slice of the vocabulary."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from meshserve.distributed.parallel_state import get_parallel_state
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, vocab_size: int, hidden: int):
+        super().__init__()
+        ps = get_parallel_state()
+        self.tp_rank, self.tp_size = ps.tp_rank, ps.tp_size
+        self.vocab_size = vocab_size
+        self.per_rank = -(-vocab_size // self.tp_size)  # padded so every rank has the same rows
+        self.start = self.tp_rank * self.per_rank
+        self.weight = nn.Parameter(torch.zeros(self.per_rank, hidden), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        rows = max(0, min(self.per_rank, self.vocab_size - self.start))
+        param.data[:rows].copy_(loaded.narrow(0, self.start, rows))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.per_rank)
+        y = F.embedding(local.masked_fill(outside, 0), self.weight)
+        y.masked_fill_(outside.unsqueeze(-1), 0.0)
+        return get_parallel_state().all_reduce(y)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Logits for the rows given; each rank computes its vocabulary slice, then one all-gather."""
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(hidden, self.weight)
+        if self.tp_size > 1:
+            logits = get_parallel_state().all_gather_last_dim(logits)
+        return logits[..., : self.vocab_size]

@@ -1,0 +1,106 @@
+"""Linear layers that shard themselves across tensor-parallel ranks at load time (Megatron style).
+
+Each parameter carries a `weight_loader(param, full_tensor, shard_id=None)` that copies this rank's
+slice of the full checkpoint tensor, so checkpoints are read whole and never pre-split.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from meshserve.distributed.parallel_state import get_parallel_state
+
+
+def _plain_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
+    param.data.copy_(loaded)
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T with W's output rows split across ranks; no communication."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        super().__init__()
+        ps = get_parallel_state()
+        self.tp_rank, self.tp_size = ps.tp_rank, ps.tp_size
+        if out_features % self.tp_size:
+            raise ValueError(f"output size {out_features} is not divisible by tensor_parallel_size {self.tp_size}")
+        self.out_per_rank = out_features // self.tp_size
+        self.weight = nn.Parameter(torch.empty(self.out_per_rank, in_features), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        self.bias = None
+        if bias:
+            self.bias = nn.Parameter(torch.empty(self.out_per_rank), requires_grad=False)
+            self.bias.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        n = param.shape[0]
+        param.data.copy_(loaded.narrow(0, self.tp_rank * n, n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel projections of the same input in one matmul (gate and up)."""
+
+    def __init__(self, in_features: int, out_sizes: list[int], bias: bool = False):
+        self.out_sizes = out_sizes
+        super().__init__(in_features, sum(out_sizes), bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int = 0) -> None:
+        size = self.out_sizes[shard_id] // self.tp_size
+        offset = sum(self.out_sizes[:shard_id]) // self.tp_size
+        param.data.narrow(0, offset, size).copy_(loaded.narrow(0, self.tp_rank * size, size))
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Q, K and V projections in one matmul. Query heads split across ranks; KV heads split too, or
+    replicated when there are fewer KV heads than ranks (each rank then holds one KV head)."""
+
+    def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False):
+        ps = get_parallel_state()
+        tp = ps.tp_size
+        self.head_dim = head_dim
+        self.num_heads = num_heads // tp
+        self.num_kv_heads = max(1, num_kv_heads // tp)
+        self.kv_replicas = max(1, tp // num_kv_heads)  # ranks sharing one KV head
+        out = (self.num_heads + 2 * self.num_kv_heads) * head_dim * tp
+        super().__init__(hidden, out, bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str = "q") -> None:
+        hd = self.head_dim
+        q_size, kv_size = self.num_heads * hd, self.num_kv_heads * hd
+        if shard_id == "q":
+            offset, size, start = 0, q_size, self.tp_rank * q_size
+        else:
+            offset = q_size if shard_id == "k" else q_size + kv_size
+            size, start = kv_size, (self.tp_rank // self.kv_replicas) * kv_size
+        param.data.narrow(0, offset, size).copy_(loaded.narrow(0, start, size))
+
+
+class RowParallelLinear(nn.Module):
+    """y = x W^T with W's input columns split across ranks; one all-reduce sums the partial outputs."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        super().__init__()
+        ps = get_parallel_state()
+        self.tp_rank, self.tp_size = ps.tp_rank, ps.tp_size
+        if in_features % self.tp_size:
+            raise ValueError(f"input size {in_features} is not divisible by tensor_parallel_size {self.tp_size}")
+        self.in_per_rank = in_features // self.tp_size
+        self.weight = nn.Parameter(torch.empty(out_features, self.in_per_rank), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        self.bias = None
+        if bias:  # added once, after the reduction
+            self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
+            self.bias.weight_loader = _plain_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        n = param.shape[1]
+        param.data.copy_(loaded.narrow(1, self.tp_rank * n, n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        y = get_parallel_state().all_reduce(y)
+        return y + self.bias if self.bias is not None else y

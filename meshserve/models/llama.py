@@ -1,0 +1,131 @@
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2 with attention bias, SmolLM) with TP/PP-aware layers."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from meshserve.distributed.parallel_state import get_parallel_state
+from meshserve.layers.attention import AttentionMetadata, PagedAttention
+from meshserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from meshserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from meshserve.layers.norm import RMSNorm
+from meshserve.layers.rotary import RotaryEmbedding
+from meshserve.models.model_config import ModelConfig
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding):
+        super().__init__()
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads,
+                                          cfg.num_key_value_heads, bias=cfg.attention_bias)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.head_dim = cfg.head_dim
+        self.o_proj = RowParallelLinear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size)
+        self.rotary = rotary
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim)
+
+    def forward(self, positions, h, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
+        t, d = h.shape[0], self.head_dim
+        q, k, v = self.qkv_proj(h).split(
+            [self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], dim=-1)
+        q, k = self.rotary(positions, q.view(t, self.num_heads, d), k.view(t, self.num_kv_heads, d))
+        o = self.attn(q, k, v.view(t, self.num_kv_heads, d), kv_cache[0], kv_cache[1], meta)
+        return self.o_proj(o.reshape(t, self.num_heads * d))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = LlamaAttention(cfg, rotary)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = LlamaMLP(cfg)
+
+    def forward(self, positions, h, kv_cache, meta):
+        h = h + self.self_attn(positions, self.input_layernorm(h), kv_cache, meta)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+def stage_layers(num_layers: int, pp_size: int, pp_rank: int, split: list[int] | None = None) -> range:
+    """The contiguous layers of one pipeline stage; even split by default (earlier stages take the
+    remainder), or an explicit list of layer counts per stage."""
+    if split is None:
+        base, extra = divmod(num_layers, pp_size)
+        split = [base + (1 if r < extra else 0) for r in range(pp_size)]
+    start = sum(split[:pp_rank])
+    return range(start, start + split[pp_rank])
+
+
+class LlamaForCausalLM(nn.Module):
+    # checkpoint name fragment -> (our parameter fragment, shard id)
+    STACKED = {
+        ".q_proj.": (".qkv_proj.", "q"), ".k_proj.": (".qkv_proj.", "k"), ".v_proj.": (".qkv_proj.", "v"),
+        ".gate_proj.": (".gate_up_proj.", 0), ".up_proj.": (".gate_up_proj.", 1),
+    }
+
+    def __init__(self, cfg: ModelConfig, pp_split: list[int] | None = None):
+        super().__init__()
+        ps = get_parallel_state()
+        self.cfg = cfg
+        self.layer_range = stage_layers(cfg.num_hidden_layers, ps.pp_size, ps.pp_rank, pp_split)
+        self.is_first, self.is_last = ps.is_first_stage, ps.is_last_stage
+        rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size) if self.is_first else None
+        self.layers = nn.ModuleDict({str(i): LlamaDecoderLayer(cfg, rotary) for i in self.layer_range})
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if self.is_last else None
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size) if self.is_last else None
+
+    def forward(self, input_ids, positions, kv_caches, meta, hidden=None) -> torch.Tensor:
+        """First stage takes token ids, later stages the previous stage's hidden states. Returns the
+        hidden states after this stage's layers (final-normed on the last stage)."""
+        h = self.embed_tokens(input_ids) if self.is_first else hidden
+        for i, layer in self.layers.items():
+            h = layer(positions, h, kv_caches[int(i) - self.layer_range.start], meta)
+        return self.norm(h) if self.is_last else h
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def load_weights(self, weights) -> None:
+        """Take (HF name, full tensor) pairs; each parameter copies its own shard."""
+        params = dict(self.named_parameters())
+        for name, tensor in weights:
+            if "rotary_emb" in name:
+                continue
+            if name.startswith("model.layers."):
+                layer = int(name.split(".")[2])
+                if layer not in self.layer_range:
+                    continue
+            targets = []
+            if name == "model.embed_tokens.weight":
+                targets.append(("embed_tokens.weight", None))
+                if self.cfg.tie_word_embeddings:
+                    targets.append(("lm_head.weight", None))
+            else:
+                local = name.removeprefix("model.")
+                shard = None
+                for frag, (ours, sid) in self.STACKED.items():
+                    if frag in local:
+                        local, shard = local.replace(frag, ours), sid
+                        break
+                targets.append((local, shard))
+            for local, shard in targets:
+                p = params.get(local)
+                if p is None:
+                    continue  # another pipeline stage owns it
+                if shard is None:
+                    p.weight_loader(p, tensor) if hasattr(p, "weight_loader") else p.data.copy_(tensor)
+                else:
+                    p.weight_loader(p, tensor, shard)

@@ -1,0 +1,179 @@
+"""ModelRunner: owns one rank's model shard and KV cache; turns a step's sequences into tensors,
+runs the forward pass and (on the last pipeline stage's first TP rank) samples."""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from meshserve.config import CPU_DEFAULT_KV_BYTES, EngineConfig
+from meshserve.distributed.parallel_state import get_parallel_state
+from meshserve.layers.attention import AttentionMetadata, PrefillSeq
+from meshserve.layers.rotary import RotaryEmbedding
+from meshserve.layers.sampler import Sampler, SamplerOutput
+from meshserve.models.llama import LlamaForCausalLM
+from meshserve.models.loader import ModelSource
+from meshserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SeqStep:
+    """What a runner needs to know about one scheduled sequence (sent to every rank each step)."""
+    seq_id: int
+    token_ids: list[int]  # the tokens computed this step
+    start: int  # position of token_ids[0]
+    block_table: list[int]
+    sample: bool
+    params: SamplingParams | None = None
+    seed_key: int = 0
+    history: tuple[list[int], list[int]] | None = None  # (prompt, output) ids, only with penalties
+
+
+@dataclass
+class StepInput:
+    seqs: list[SeqStep]
+    finished_seq_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class StepResult:
+    sampled: SamplerOutput | None
+    compute_s: float = 0.0
+    comm_s: dict[str, float] = field(default_factory=dict)
+
+
+def _init_dummy_(model: torch.nn.Module, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight") or "layernorm" in name:
+            p.data.fill_(1.0)
+        else:
+            p.data.copy_(torch.randn(p.shape, generator=g) * 0.02)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, source: ModelSource, max_model_len: int):
+        self.config = config
+        self.ps = get_parallel_state()
+        self.device = self.ps.device
+        self.dtype = config.resolved_dtype()
+        self.block_size = config.block_size
+        self.max_model_len = max_model_len
+        cfg = source.config
+        torch.manual_seed(config.seed)
+        model = LlamaForCausalLM(cfg, config.pipeline_split)
+        if config.load_format == "dummy":
+            _init_dummy_(model, config.seed + self.ps.rank)
+        else:
+            model.load_weights(source.iter_weights())
+        self.model = model.to(device=self.device, dtype=self.dtype).eval()
+        for m in self.model.modules():
+            if isinstance(m, RotaryEmbedding):
+                m.float()  # rotary tables stay float32: large positions lose precision in bf16
+        self.sampler = Sampler(config.seed, self.device) if self.ps.is_last_stage and self.ps.tp_rank == 0 else None
+        attn = next(iter(self.model.layers.values())).self_attn
+        self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
+        self.kv_caches: list[torch.Tensor] = []
+
+    # ---- KV cache ----------------------------------------------------------------------
+    @property
+    def block_bytes(self) -> int:
+        elem = torch.tensor([], dtype=self.dtype).element_size()
+        return 2 * len(self.model.layers) * self.num_kv_heads * self.head_dim * self.block_size * elem
+
+    def num_kv_blocks(self) -> int:
+        """Blocks this rank can hold: an explicit byte budget, or on a GPU what is left of
+        gpu_memory_utilization x memory after the weights and a profiled forward pass."""
+        budget = self.config.kv_cache_memory_bytes
+        if budget is None and self.device.type == "cuda":
+            budget = self._profile_cuda_free_bytes()
+        if budget is None:
+            budget = CPU_DEFAULT_KV_BYTES
+        return budget // self.block_bytes
+
+    def _profile_cuda_free_bytes(self) -> int:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        n = min(self.config.max_num_batched_tokens or 2048, self.max_model_len)
+        with torch.inference_mode():
+            ids = torch.zeros(n, dtype=torch.long, device=self.device)
+            h = torch.zeros(n, self.model.cfg.hidden_size, dtype=self.dtype, device=self.device)
+            dummy_cache = [torch.zeros(2, 1, self.block_size, self.num_kv_heads, self.head_dim,
+                                       dtype=self.dtype, device=self.device) for _ in self.model.layers]
+            meta = AttentionMetadata(torch.zeros(n, dtype=torch.long, device=self.device),
+                                     [PrefillSeq(0, n, 0, None)], n)
+            out = self.model(ids, torch.arange(n, device=self.device), dummy_cache, meta, hidden=h)
+            if self.ps.is_last_stage:
+                self.model.compute_logits(out[-1:])
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        return max(0, int(total * self.config.gpu_memory_utilization) - peak)
+
+    def init_kv_cache(self, num_blocks: int) -> None:
+        shape = (2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.model.layers]
+
+    # ---- one step ----------------------------------------------------------------------
+    def _prepare(self, step: StepInput):
+        bs, dev = self.block_size, self.device
+        ids, positions, slots, prefills = [], [], [], []
+        decodes = [s for s in step.seqs if len(s.token_ids) == 1]
+        ordered = [s for s in step.seqs if len(s.token_ids) > 1] + decodes
+        for s in ordered:
+            q_start = len(ids)
+            ids.extend(s.token_ids)
+            pos = range(s.start, s.start + len(s.token_ids))
+            positions.extend(pos)
+            bt = s.block_table
+            slots.extend(bt[p // bs] * bs + p % bs for p in pos)
+            if len(s.token_ids) > 1:
+                n_blocks = -(-(s.start + len(s.token_ids)) // bs)
+                table = torch.tensor(bt[:n_blocks], device=dev) if s.start > 0 else None
+                prefills.append(PrefillSeq(q_start, len(ids), s.start, table))
+        num_prefill_tokens = len(ids) - len(decodes)
+        meta = AttentionMetadata(torch.tensor(slots, dtype=torch.long, device=dev), prefills, num_prefill_tokens)
+        if decodes:
+            width = max(-(-(s.start + 1) // bs) for s in decodes)
+            tables = torch.tensor([s.block_table[:width] + [0] * (width - min(width, len(s.block_table)))
+                                   for s in decodes], dtype=torch.long, device=dev)
+            lens = torch.tensor([s.start + 1 for s in decodes], device=dev)
+            meta.decode_block_tables = tables
+            meta.decode_mask = (torch.arange(width * bs, device=dev)[None, :] < lens[:, None])[:, None, None, :]
+        # Row of the last token of each sequence that samples, in the original order.
+        last_row, row = {}, 0
+        for s in ordered:
+            row += len(s.token_ids)
+            last_row[s.seq_id] = row - 1
+        sample_rows = [last_row[s.seq_id] for s in step.seqs if s.sample]
+        return (torch.tensor(ids, dtype=torch.long, device=dev), torch.tensor(positions, dtype=torch.long, device=dev),
+                meta, sample_rows)
+
+    @torch.inference_mode()
+    def execute(self, step: StepInput, hidden: torch.Tensor | None = None):
+        """Run one step. Returns the hidden states for the next pipeline stage on a non-last stage,
+        else a StepResult (with sampled tokens on the sampling rank)."""
+        t0 = time.perf_counter()
+        if self.sampler is not None:
+            self.sampler.forget(step.finished_seq_ids)
+        ids, positions, meta, sample_rows = self._prepare(step)
+        out = self.model(ids, positions, self.kv_caches, meta, hidden=hidden)
+        if not self.ps.is_last_stage:
+            return out
+        sampled = None
+        if sample_rows:
+            logits = self.model.compute_logits(out[torch.tensor(sample_rows, device=self.device)])
+            if self.sampler is not None:
+                sampling = [s for s in step.seqs if s.sample]
+                params = [s.params for s in sampling]
+                histories = [s.history for s in sampling] if any(p.has_penalties for p in params) else None
+                sampled = self.sampler(logits, [s.seq_id for s in sampling], params,
+                                       [s.seed_key for s in sampling], histories)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        comm = self.ps.comm_timer.take()
+        return StepResult(sampled, time.perf_counter() - t0 - sum(comm.values()), comm)
