@@ -1,0 +1,59 @@
+"""`meshserve serve [MODEL]`: the OpenAI-compatible HTTP server."""
+from __future__ import annotations
+
+import argparse
+import os
+
+from meshserve.server.server_config import DEFAULT_MAX_BODY_BYTES
+
+_EPILOG = """\
+examples:
+  meshserve serve                                   # embedded default model on 127.0.0.1:8000
+  meshserve serve model.gguf --port 8080 --max-model-len 4096 --api-key secret
+  curl http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \\
+       -d '{"messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 32}'
+"""
+
+
+def register(subparsers) -> None:
+    from meshserve.config import EngineConfig
+
+    p = subparsers.add_parser(
+        "serve", help="run the OpenAI-compatible HTTP server",
+        description="Serve a model over an OpenAI-compatible HTTP API (/v1/completions, "
+        "/v1/chat/completions, /v1/models, /tokenize, /detokenize, /health, /metrics, /server_info). "
+        "The engine runs in its own process; SIGTERM drains running requests, then exits 0.",
+        epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    EngineConfig.add_cli_args(p)
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
+    g.add_argument("--port", type=int, default=8000, help="port to bind (default: %(default)s)")
+    g.add_argument("--served-model-name", default=None, metavar="NAME",
+                   help="the model name clients send and /v1/models lists (default: the model's id)")
+    g.add_argument("--data-parallel-size", "-dp", type=int, default=1, metavar="N",
+                   help="engine replicas behind this server, each with its own KV cache and devices; "
+                        "requests go to the least loaded (default: 1)")
+    g.add_argument("--api-key", default=os.environ.get("MESHSERVE_API_KEY"), metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' (default: $MESHSERVE_API_KEY, else none)")
+    g.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="on SIGTERM, how long running requests may take to finish (default: %(default)s)")
+    g.add_argument("--max-queued-requests", type=int, default=None, metavar="N",
+                   help="at most N requests may wait for their first token; more get 429 with "
+                        "Retry-After (default: unbounded)")
+    g.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, metavar="BYTES",
+                   help="larger request bodies get 413 (default: %(default)s)")
+    g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from meshserve.config import EngineConfig
+    from meshserve.server.launcher import run_server
+    from meshserve.server.server_config import ServerConfig
+
+    server_config = ServerConfig(
+        host=args.host, port=args.port, api_key=args.api_key, drain_timeout=args.drain_timeout,
+        max_queued_requests=args.max_queued_requests, max_body_bytes=args.max_body_bytes,
+        data_parallel_size=args.data_parallel_size, log_level=args.log_level)
+    engine_config = EngineConfig.from_cli_args(args)  # takes served_model_name too
+    return run_server(engine_config, server_config)

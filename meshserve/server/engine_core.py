@@ -1,0 +1,207 @@
+"""The engine process: owns one LLMEngine and loops take-inputs -> step -> send-outputs.
+
+It blocks on its inbox while it has nothing to do (no spinning) and steps back to back while requests
+exist. Outputs go back as deltas (only what is new since the last step), so the pipe carries
+O(new tokens) per step whatever the length of the answers. Every step is stamped with this process's
+time.monotonic(), the clock the front end computes latency metrics from.
+
+Front end -> engine: a list of ops per message: ("add", AddRequest), ("abort", [ids]), ("shutdown",).
+Engine -> front end: ("ready", info), ("step", timestamp, [RequestDelta], stats),
+("stats", stats), ("reject", request_id, message), ("fatal", message).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import time
+import traceback
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any, Callable
+
+from meshserve.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class AddRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+
+
+@dataclass(slots=True)
+class SampleDelta:
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[dict[int, float]] | None
+    finish_reason: str | None
+    stop_reason: int | str | None
+
+
+@dataclass(slots=True)
+class RequestDelta:
+    request_id: str
+    outputs: list[SampleDelta]
+    finished: bool
+    num_cached_tokens: int = 0
+
+
+def build_llm_engine(config) -> Any:
+    from meshserve.engine.llm_engine import LLMEngine
+    return LLMEngine(config)
+
+
+def _stats_dict(stats) -> dict:
+    if dataclasses.is_dataclass(stats):
+        return dataclasses.asdict(stats)
+    return dict(stats) if isinstance(stats, dict) else dict(vars(stats))
+
+
+class DeltaTracker:
+    """Turns the engine's cumulative outputs into deltas; remembers how much of each sample was sent.
+
+    While a sample can still hit a stop string, its last (longest stop - 1) characters are held back:
+    they might be the start of a stop string that the final text will not contain."""
+
+    def __init__(self) -> None:
+        self._sent: dict[str, dict[int, tuple[int, int]]] = {}  # request -> index -> (tokens, chars)
+        self._holdback: dict[str, int] = {}
+
+    def track(self, request_id: str, params: SamplingParams) -> None:
+        self._sent[request_id] = {}
+        if params.stop:
+            self._holdback[request_id] = max(len(s) for s in params.stop) - 1
+
+    def forget(self, request_id: str) -> None:
+        self._sent.pop(request_id, None)
+        self._holdback.pop(request_id, None)
+
+    def delta(self, out) -> RequestDelta:
+        sent = self._sent.setdefault(out.request_id, {})
+        holdback = self._holdback.get(out.request_id, 0)
+        samples = []
+        for c in out.outputs:
+            ntok, nchar = sent.get(c.index, (0, 0))
+            if len(c.token_ids) == ntok and c.finish_reason is None:
+                continue  # this sample did not move in this step
+            end = len(c.text) if c.finish_reason is not None else max(nchar, len(c.text) - holdback)
+            samples.append(SampleDelta(c.index, c.text[nchar:end], list(c.token_ids[ntok:]),
+                                       c.logprobs[ntok:] if c.logprobs is not None else None,
+                                       c.finish_reason, c.stop_reason))
+            sent[c.index] = (len(c.token_ids), end)
+        if out.finished:
+            self.forget(out.request_id)
+        cached = out.metrics.num_cached_prompt_tokens if out.metrics is not None else 0
+        return RequestDelta(out.request_id, samples, out.finished, cached)
+
+
+class EngineLoop:
+    def __init__(self, engine, inbox: Connection, outbox: Connection) -> None:
+        self.engine = engine
+        self.inbox = inbox
+        self.outbox = outbox
+        self.tracker = DeltaTracker()
+        self._last_stats: dict | None = None
+
+    def run(self) -> None:
+        engine = self.engine
+        while True:
+            if not engine.has_unfinished_requests():
+                self._send_stats_if_changed()  # e.g. KV usage back to idle after aborts
+                if not self._handle(self.inbox.recv()):  # idle: block until there is work
+                    return
+            while self.inbox.poll():
+                if not self._handle(self.inbox.recv()):
+                    return
+            if engine.has_unfinished_requests():
+                outputs = engine.step()
+                now = time.monotonic()
+                deltas = [self.tracker.delta(o) for o in outputs]
+                self._last_stats = self._stats()
+                self.outbox.send(("step", now, deltas, self._last_stats))
+
+    def _handle(self, ops: list[tuple]) -> bool:
+        """Apply a batch of ops from the front end; False means stop."""
+        for op in ops:
+            kind = op[0]
+            if kind == "add":
+                req: AddRequest = op[1]
+                try:
+                    self.engine.add_request(req.request_id, req.prompt_token_ids, req.params,
+                                            arrival_time=req.arrival_time)
+                except ValueError as exc:
+                    self.outbox.send(("reject", req.request_id, str(exc)))
+                else:
+                    self.tracker.track(req.request_id, req.params)
+            elif kind == "abort":
+                for request_id in op[1]:
+                    self.tracker.forget(request_id)
+                    self.engine.abort_request(request_id)  # a no-op if it finished meanwhile
+            elif kind == "shutdown":
+                return False
+        return True
+
+    def _stats(self) -> dict:
+        return _stats_dict(self.engine.get_stats())
+
+    def _send_stats_if_changed(self) -> None:
+        stats = self._stats()
+        if stats != self._last_stats:
+            self._last_stats = stats
+            self.outbox.send(("stats", stats))
+
+
+def _limit_devices(dp_rank: int, dp_size: int) -> None:
+    """Give each data-parallel engine its own GPUs (or its share of the CPU cores)."""
+    if dp_size <= 1:
+        return
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible:
+        devices = [d for d in visible.split(",") if d.strip()]
+        per = max(1, len(devices) // dp_size)
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(devices[dp_rank * per:(dp_rank + 1) * per])
+    import torch
+    if not torch.cuda.is_available():
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // dp_size))
+
+
+def run_engine_core(factory: Callable[[], Any], inbox: Connection, outbox: Connection,
+                    dp_rank: int = 0, dp_size: int = 1) -> None:
+    """Entry point of the engine process (multiprocessing target)."""
+    # The front end owns the lifecycle: on SIGTERM it drains first, then tells us to stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    engine = None
+    try:
+        _limit_devices(dp_rank, dp_size)
+        engine = factory()
+        info = {"model_info": dict(engine.model_info), "tokenizer": engine.tokenizer,
+                "config": config_dict(getattr(engine, "config", None))}
+        outbox.send(("ready", info))
+        EngineLoop(engine, inbox, outbox).run()
+    except (EOFError, OSError, BrokenPipeError):
+        pass  # the front end went away: nothing left to serve
+    except BaseException:
+        try:
+            outbox.send(("fatal", traceback.format_exc(limit=20)))
+        except OSError:
+            pass
+    finally:
+        shutdown = getattr(engine, "shutdown", None)
+        if callable(shutdown):
+            shutdown()
+
+
+def config_dict(config) -> dict:
+    if config is None:
+        return {}
+    if isinstance(config, dict):
+        return dict(config)
+    if callable(getattr(config, "to_dict", None)):
+        return config.to_dict()
+    if dataclasses.is_dataclass(config):
+        return dataclasses.asdict(config)
+    return dict(vars(config))

@@ -1,0 +1,59 @@
+"""Start the engine processes, then serve HTTP until SIGTERM/SIGINT; drain; stop the engines."""
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import logging
+import signal
+from typing import Any, Callable, Sequence
+
+from meshserve.server.engine_client import EngineClient
+from meshserve.server.engine_core import build_llm_engine, config_dict
+from meshserve.server.metrics import ServerMetrics
+from meshserve.server.server_config import ServerConfig
+
+logger = logging.getLogger("meshserve.server")
+
+
+def run_server(engine_config: Any, config: ServerConfig,
+               factories: Sequence[Callable[[], Any]] | None = None) -> int:
+    """Blocking. Returns 0 after a graceful shutdown. `factories` (one per engine) replace the
+    default LLMEngine(engine_config) builder, e.g. to serve another engine implementation."""
+    logging.basicConfig(level=config.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    if factories is None:
+        factories = [functools.partial(build_llm_engine, engine_config)] * config.data_parallel_size
+    client = EngineClient(factories)
+    metrics = ServerMetrics(client.stats)
+    client.listener = metrics
+    info = client.start()
+    # The engine's own view of its configuration (it resolves defaults such as max_model_len).
+    reported = info.config or config_dict(engine_config)
+    reported = json.loads(json.dumps({**reported, "data_parallel_size": config.data_parallel_size},
+                                     default=str))
+    try:
+        return asyncio.run(_serve(client, metrics, config, reported))
+    finally:
+        client.shutdown()
+
+
+async def _serve(client: EngineClient, metrics: ServerMetrics, config: ServerConfig,
+                 engine_config: dict) -> int:
+    import uvicorn
+
+    from meshserve.server.app import build_app
+    from meshserve.server.serving import ServingContext
+
+    client.attach(asyncio.get_running_loop())
+    ctx = ServingContext(client, config)
+    app = build_app(ctx, metrics, engine_config)
+    server = uvicorn.Server(uvicorn.Config(
+        app, host=config.host, port=config.port, log_level=config.log_level, lifespan="off",
+        timeout_graceful_shutdown=config.drain_timeout))
+    # uvicorn handles SIGTERM (stop accepting, let running requests finish within the drain timeout)
+    # and re-raises it when done; by then the shutdown was orderly, so it must not kill us.
+    signal.signal(signal.SIGTERM, lambda *_: None)
+    logger.info("serving %s on http://%s:%d", ctx.model_name, config.host, config.port)
+    await server.serve()
+    return 0
+

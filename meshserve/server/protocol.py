@@ -1,0 +1,92 @@
+"""Request bodies of the OpenAI-compatible API, validated strictly: wrong types and unknown fields are 400s.
+
+Fields beyond OpenAI's (top_k, min_p, repetition_penalty, ignore_eos, ...) follow vLLM's names so that
+clients written for vLLM work unchanged. Ranges are checked once, by SamplingParams.
+"""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from meshserve.sampling_params import MAX_LOGPROBS
+
+# torch generators take 64-bit seeds.
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+
+
+class StrictModel(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+class StreamOptions(StrictModel):
+    include_usage: bool = False
+
+
+class SamplingFields(StrictModel):
+    """What completions and chat completions share."""
+    model: str | None = None
+    n: int = 1
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # vLLM-style extensions
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+
+class CompletionRequest(SamplingFields):
+    # str, a batch of str, one prompt as token ids, or a batch of token-id prompts
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+class TextPart(StrictModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(StrictModel):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+
+class ResponseFormat(StrictModel):
+    type: Literal["text"]
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    response_format: ResponseFormat | None = None
+    add_generation_prompt: bool = True
+
+
+class TokenizeRequest(StrictModel):
+    model: str | None = None
+    prompt: str
+
+
+class DetokenizeRequest(StrictModel):
+    model: str | None = None
+    tokens: list[int]

@@ -1,0 +1,229 @@
+"""What completions and chat completions share: body parsing, model check, admission, prompt
+tokenization and checks, SamplingParams, logprob formatting, and the generate-and-respond flow."""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Any, AsyncIterator, Callable, TypeVar
+
+from pydantic import BaseModel, ValidationError
+from starlette.requests import Request
+from starlette.responses import Response
+
+from meshserve.sampling_params import SamplingParams
+from meshserve.server.engine_client import EngineClient, EngineDeadError, EngineRejectedError
+from meshserve.server.engine_core import RequestDelta
+from meshserve.server.errors import APIError, bad_request, from_validation_error, from_value_error
+from meshserve.server.protocol import SamplingFields
+from meshserve.server.server_config import ServerConfig
+from meshserve.server.sse import DONE, EventStreamResponse, JSONBytesResponse, cancel_on_disconnect, sse_event
+
+M = TypeVar("M", bound=BaseModel)
+
+# Tokenize long texts off the event loop so one huge prompt does not stall every other stream.
+_THREAD_TOKENIZE_CHARS = 20_000
+# JSON has no -inf; a token outside the sampling support gets this instead.
+_MIN_LOGPROB = -9999.0
+
+
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def _check_strings(obj: Any) -> None:
+    """Reject lone surrogates (JSON escapes like \\ud800): they cannot be encoded as UTF-8."""
+    stack = [obj]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            item.encode("utf-8")
+        elif isinstance(item, list):
+            stack.extend(item)
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+
+
+async def read_json(request: Request, limit: int) -> Any:
+    size, chunks = 0, []
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise APIError(413, f"request body is larger than {limit} bytes", code="request_too_large")
+        chunks.append(chunk)
+    try:
+        obj = json.loads(b"".join(chunks).decode("utf-8"), parse_constant=_reject_constant)
+        _check_strings(obj)
+    except UnicodeError as exc:
+        raise bad_request(f"request body is not valid UTF-8: {exc.reason}", code="invalid_json") from None
+    except RecursionError:
+        raise bad_request("request body is nested too deeply", code="invalid_json") from None
+    except ValueError as exc:  # JSONDecodeError and the constants above
+        raise bad_request(f"request body is not valid JSON: {exc}", code="invalid_json") from None
+    return obj
+
+
+def parse(model: type[M], obj: Any) -> M:
+    if not isinstance(obj, dict):
+        raise bad_request("request body must be a JSON object", code="invalid_json")
+    try:
+        return model.model_validate(obj)
+    except ValidationError as exc:
+        raise from_validation_error(exc) from None
+
+
+class ServingContext:
+    """The state handlers share: engine client, tokenizer, names, limits."""
+
+    def __init__(self, client: EngineClient, config: ServerConfig) -> None:
+        info = client.info
+        self.client = client
+        self.config = config
+        self.tokenizer = info.tokenizer
+        self.model_info = info.model_info
+        self.max_model_len: int = int(info.model_info["max_model_len"])
+        self.vocab_size: int | None = getattr(self.tokenizer, "vocab_size", None)
+        self.model_name: str = str(info.model_info["id"])  # the served name when one was given
+        self.created = int(time.time())
+        self._token_strs: dict[int, str] = {}
+
+    # ---- checks -------------------------------------------------------------------------------
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.model_name:
+            raise APIError(404, f"the model {name!r} does not exist; this server serves "
+                                f"{self.model_name!r}", param="model", code="model_not_found")
+
+    def admit(self, count: int) -> None:
+        """Refuse work the server cannot take now: engine down (503) or waiting queue full (429)."""
+        if not self.client.healthy:
+            raise APIError(503, "the engine is not running", code="engine_unavailable")
+        limit = self.config.max_queued_requests
+        if limit is not None and self.client.num_unstarted + count > max(limit, count):
+            raise APIError(429, f"the waiting queue is full ({limit} requests)", code="queue_full",
+                           headers={"Retry-After": "1"})
+
+    def check_prompt_ids(self, ids: list[int], param: str = "prompt") -> list[int]:
+        if not ids:
+            raise bad_request("the prompt is empty", param=param, code="empty_prompt")
+        if self.vocab_size is not None:
+            bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+            if bad is not None:
+                raise bad_request(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})",
+                                  param=param)
+        return ids
+
+    def max_tokens(self, requested: int | None, prompt_len: int, default: int | None) -> int:
+        """The output budget; prompt plus output must fit the context (checked before any model work)."""
+        room = self.max_model_len - prompt_len
+        if room < 1:
+            raise bad_request(f"the prompt has {prompt_len} tokens, which leaves no room for output in "
+                              f"this model's context of {self.max_model_len} tokens", param="prompt",
+                              code="context_length_exceeded")
+        if requested is None:
+            return room if default is None else min(default, room)
+        if requested < 1:
+            raise bad_request(f"max_tokens must be at least 1, got {requested}", param="max_tokens")
+        if requested > room:
+            raise bad_request(f"the prompt has {prompt_len} tokens and max_tokens is {requested}: "
+                              f"{prompt_len + requested} is over this model's context of "
+                              f"{self.max_model_len} tokens", param="max_tokens",
+                              code="context_length_exceeded")
+        return requested
+
+    def sampling_params(self, req: SamplingFields, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        if req.logit_bias:
+            raise bad_request("logit_bias is not supported", param="logit_bias")
+        kwargs: dict[str, Any] = dict(
+            n=req.n, max_tokens=max_tokens, seed=req.seed, stop=req.stop, logprobs=logprobs,
+            presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+            min_tokens=req.min_tokens, ignore_eos=req.ignore_eos, stop_token_ids=req.stop_token_ids,
+            skip_special_tokens=req.skip_special_tokens,
+            include_stop_str_in_output=req.include_stop_str_in_output)
+        for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
+            value = getattr(req, name)
+            if value is not None:
+                kwargs[name] = value
+        try:
+            return SamplingParams(**kwargs)
+        except ValueError as exc:
+            raise from_value_error(exc) from None
+
+    # ---- tokenizer ----------------------------------------------------------------------------
+    async def encode(self, text: str, param: str = "prompt") -> list[int]:
+        if not text:  # checked on the text: a BOS token alone is no prompt either
+            raise bad_request("the prompt is empty", param=param, code="empty_prompt")
+        if len(text) > _THREAD_TOKENIZE_CHARS:
+            return await asyncio.to_thread(self.tokenizer.encode, text)
+        return self.tokenizer.encode(text)
+
+    def token_str(self, token_id: int) -> str:
+        s = self._token_strs.get(token_id)
+        if s is None:
+            s = self._token_strs[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return s
+
+    def top_logprobs(self, entry: dict[int, float], num: int) -> list[tuple[str, float]]:
+        best = sorted(entry.items(), key=lambda kv: kv[1], reverse=True)[:num]
+        return [(self.token_str(t), clamp_logprob(lp)) for t, lp in best]
+
+    # ---- the flow ------------------------------------------------------------------------------
+    async def respond(self, request: Request, engine_requests: list[tuple[str, list[int], SamplingParams]],
+                      arrival: float, stream: bool,
+                      collect: Callable[[AsyncIterator[RequestDelta]], Any],
+                      events: Callable[[RequestDelta, AsyncIterator[RequestDelta]], AsyncIterator[bytes]],
+                      ) -> Response:
+        """Submit, then either collect everything into one JSON body or stream SSE events.
+
+        A stream's headers go out only once the first output is there, so a request the engine
+        rejects still gets a proper error status; after that, failures end the stream in-band."""
+        self.admit(len(engine_requests))
+        outputs = self.client.generate(engine_requests, arrival)
+
+        async def run() -> Response:
+            try:
+                if not stream:
+                    return JSONBytesResponse(await collect(outputs))
+                first = await outputs.__anext__()
+            except EngineRejectedError as exc:
+                raise from_value_error(exc) from None
+            except EngineDeadError as exc:
+                raise APIError(503, str(exc), code="engine_unavailable") from None
+            return EventStreamResponse(events(first, outputs))
+
+        try:
+            return await cancel_on_disconnect(request, run())
+        except BaseException:
+            await outputs.aclose()
+            raise
+
+
+async def sse_stream(chunks: AsyncIterator[dict], outputs: AsyncIterator[RequestDelta],
+                     request_id: str) -> AsyncIterator[bytes]:
+    """SSE framing shared by both endpoints; a failure after the stream started is reported in-band."""
+    try:
+        async for obj in chunks:
+            yield sse_event(obj)
+    except (EngineDeadError, EngineRejectedError) as exc:
+        yield sse_event({"error": {"message": f"generation failed after the stream started: {exc}",
+                                   "type": "server_error", "param": None,
+                                   "code": "partial_stream_failure", "request_id": request_id}})
+    finally:
+        await chunks.aclose()
+        await outputs.aclose()
+    yield DONE
+
+
+async def chain(first: RequestDelta, rest: AsyncIterator[RequestDelta]) -> AsyncIterator[RequestDelta]:
+    yield first
+    async for delta in rest:
+        yield delta
+
+
+def clamp_logprob(value: float) -> float:
+    return value if value > _MIN_LOGPROB else _MIN_LOGPROB
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
