@@ -1,0 +1,61 @@
+"""Load sweeps find the highest load that still meets the goodput SLO."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from meshserve.bench.sweep import SweepConfig, _midpoint, knee
+
+from .helpers import fake_server, run_bench
+
+
+def test_knee_ignores_a_pass_above_a_failure():
+    points = [{"load": 4, "passed": False}, {"load": 1, "passed": True},
+              {"load": 8, "passed": True}, {"load": 2, "passed": True}]
+    assert knee(points) == 2
+    assert knee([{"load": 1, "passed": False}]) is None
+
+
+def test_bisection_midpoints():
+    assert _midpoint("rate", 2.0, 4.0) == 3.0
+    assert _midpoint("concurrency", 2, 8) == 5
+    assert _midpoint("concurrency", 2, 3) is None  # nothing between two neighbours
+
+
+def test_sweep_config_validation_and_ordering():
+    assert SweepConfig("rate", (4.0, 1.0, 2.0, 2.0)).loads == (1.0, 2.0, 4.0)
+    with pytest.raises(ValueError, match="whole numbers"):
+        SweepConfig("concurrency", (1.5,))
+    with pytest.raises(ValueError, match="slo-attainment"):
+        SweepConfig("rate", (1.0,), attainment=0)
+
+
+def test_sweep_stops_at_the_first_failure_and_reports_the_curve(tmp_path):
+    # The server runs two requests at a time and queues the rest: from three concurrent
+    # requests on, queueing pushes TTFT (40 ms unqueued) past the 70 ms SLO.
+    with fake_server("--ttft-ms", "40", "--itl-ms", "10", "--max-num-seqs", "2") as url:
+        rc = run_bench(["sweep", "--base-url", url, "--concurrencies", "1,2,4,8",
+                        "--num-prompts", "8", "--random-input-len", "32",
+                        "--random-output-len", "4", "--goodput", "ttft:70", "--refine-steps", "1",
+                        "--disable-tqdm", "--save-result", "--result-dir", str(tmp_path),
+                        "--result-filename", "sweep.json"])
+    assert rc == 0
+    sweep = json.loads((tmp_path / "sweep.json").read_text())
+    # 8 never runs; 3 is the bisection between the last pass (2) and the first failure (4).
+    assert [p["load"] for p in sweep["points"]] == [1, 2, 3, 4]
+    assert [p["passed"] for p in sweep["points"]] == [True, True, False, False]
+    assert sweep["max_load_meeting_slo"] == 2
+    assert sweep["goodput_slos_ms"] == {"ttft": 70.0}
+    for p in sweep["points"]:
+        assert p["result"]["max_concurrency"] == p["load"]
+        assert p["result"]["completed"] == 8
+
+    from matplotlib.image import imread
+
+    assert imread(str(tmp_path / "sweep-load-curve.png")).shape[0] > 100
+
+
+def test_sweep_requires_slos():
+    with pytest.raises(ValueError, match="--goodput"):
+        run_bench(["sweep", "--base-url", "http://127.0.0.1:9", "--request-rates", "1,2"])
