@@ -3,7 +3,11 @@ from __future__ import annotations
 
 from http import HTTPStatus
 
+from dataclasses import fields
+
 from pydantic import ValidationError
+
+from meshserve.sampling_params import SamplingParams
 
 # The `type` field per status, following the OpenAI API's vocabulary.
 _TYPES = {
@@ -16,6 +20,8 @@ _TYPES = {
     500: "server_error",
     503: "service_unavailable",
 }
+
+_PARAMS = {f.name for f in fields(SamplingParams)} | {"prompt", "messages", "model"}
 
 
 class APIError(Exception):
@@ -62,8 +68,7 @@ def from_value_error(exc: ValueError) -> APIError:
     """SamplingParams and the engine name the offending parameter first: `max_tokens must be ...`."""
     message = str(exc)
     first = message.split(" ", 1)[0]
-    param = first if first.isidentifier() else None
-    return bad_request(message, param=param)
+    return bad_request(message, param=first if first in _PARAMS else None)
 
 
 def _short(value, limit: int = 60) -> str:

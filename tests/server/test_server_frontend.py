@@ -8,8 +8,8 @@ import time
 
 import httpx
 import pytest
-from conftest import fake_server
-from sse_client import chat_text, completion_text, metric, read_events
+from server_helpers import fake_server
+from server_sse import chat_text, completion_text, metric, next_event, read_events
 
 KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -225,7 +225,7 @@ def test_client_disconnect_aborts_and_frees_kv(http, server):
                                                       "stream": True}) as r:
         lines = r.iter_lines()
         for _ in range(3):
-            next(line for line in lines if line.startswith("data: "))
+            next_event(lines)
     # ...and a non-streaming one abandoned while it waits.
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server.url + "/v1/completions", headers=AUTH, timeout=0.3,

@@ -2,14 +2,21 @@
 from __future__ import annotations
 
 import json
+from typing import Iterable, Iterator
 
 import httpx
 
 
-def read_events(response: httpx.Response) -> list[dict]:
-    """Every `data:` event of a finished stream; asserts that `[DONE]` comes last and only once."""
+def next_event(lines: Iterator[str]) -> dict:
+    """The next `data:` event. Keep `lines` referenced: dropping the iterator closes the stream."""
+    return json.loads(next(line for line in lines if line.startswith("data: "))[len("data: "):])
+
+
+def read_events(source: httpx.Response | Iterable[str]) -> list[dict]:
+    """Every (remaining) `data:` event of a stream; asserts that `[DONE]` comes last and only once."""
+    lines = source.iter_lines() if isinstance(source, httpx.Response) else source
     events, done = [], False
-    for line in response.iter_lines():
+    for line in lines:
         if not line.startswith("data: "):
             assert line == "", f"unexpected SSE line {line!r}"
             continue
