@@ -156,7 +156,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         print(f"saved {path}")
         if not args.no_plot:
             png = plots.plot_load_curve(result["points"], path[:-5] + "-load-curve.png",
-                                        sweep.label, config.goodput)
+                                        sweep.label, config.goodput,
+                                        result["max_load_meeting_slo"])
             print(f"saved {png}")
     return 0
 

@@ -31,14 +31,14 @@ class RequestRecord:
 
 
 class OpenAIStreamClient:
+    """Sends through `session`, which carries any authorization header."""
+
     def __init__(self, session: aiohttp.ClientSession, base_url: str, endpoint: str, model: str,
-                 *, api_key: str | None = None, ignore_eos: bool = True,
-                 temperature: float = 0.0) -> None:
+                 *, ignore_eos: bool = True, temperature: float = 0.0) -> None:
         self.session = session
         self.url = base_url.rstrip("/") + endpoint
         self.chat = endpoint.endswith("/chat/completions")
         self.model = model
-        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.ignore_eos = ignore_eos
         self.temperature = temperature
 
@@ -69,8 +69,7 @@ class OpenAIStreamClient:
         rec.start = last = time.perf_counter()
         done = False
         try:
-            async with self.session.post(self.url, json=self.payload(req),
-                                         headers=self.headers) as resp:
+            async with self.session.post(self.url, json=self.payload(req)) as resp:
                 if resp.status != 200:
                     rec.error = await _http_error_kind(resp)
                     return rec
@@ -101,6 +100,8 @@ class OpenAIStreamClient:
             rec.e2el = time.perf_counter() - rec.start
             if rec.error is None and not done:
                 rec.error = "stream ended without [DONE]"
+            elif rec.error is None and rec.token_chunks == 0:
+                rec.error = "stream carried no tokens"  # no TTFT to measure
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:  # ValueError: bad JSON
             rec.error = type(exc).__name__
         rec.success = rec.error is None

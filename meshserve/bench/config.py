@@ -78,7 +78,7 @@ class BenchConfig:
     endpoint: str = "/v1/completions"
     model: str | None = None  # None: the first model the server lists
     tokenizer: str | None = None  # None: the server's /tokenize
-    api_key: str | None = None
+    api_key: str | None = field(default=None, repr=False)
     ignore_eos: bool = True
     temperature: float = 0.0
     request_timeout_s: float = 600.0

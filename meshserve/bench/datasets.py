@@ -53,24 +53,41 @@ class BenchRequest:
     output_len: int
 
 
-async def token_pool(tok: PromptTokenizer) -> np.ndarray:
-    """Ids of ordinary text tokens, excluding whatever the tokenizer adds by itself."""
-    specials = set(await tok.encode(""))
+@dataclass(frozen=True)
+class TokenSpace:
+    pool: np.ndarray  # ids of ordinary text tokens to draw prompts from
+    n_special: int  # tokens the tokenizer adds to any text (BOS, EOS)
+
+
+def _common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+async def token_space(tok: PromptTokenizer) -> TokenSpace:
+    """Find the tokens the tokenizer adds by itself without encoding an empty string (servers
+    may reject empty prompts): what two unrelated texts share at both ends."""
+    a, b = await tok.encode("alpha"), await tok.encode("7")
+    head = _common_prefix_len(a, b)
+    tail = _common_prefix_len(a[head:][::-1], b[head:][::-1])
+    specials = set(a[:head]) | set(a[len(a) - tail:])
     ids = sorted(set(await tok.encode(_WORDS)) - specials)
     if len(ids) < 16:
         raise RuntimeError("the tokenizer produced too few distinct tokens to build prompts")
-    return np.asarray(ids, dtype=np.int64)
+    return TokenSpace(np.asarray(ids, dtype=np.int64), head + tail)
 
 
 async def fit_prompt(tok: PromptTokenizer, target: int, rng: np.random.Generator,
-                     pool: np.ndarray, prefix: str = "") -> str:
+                     space: TokenSpace, prefix: str = "") -> str:
     """Text that tokenizes to exactly `target` tokens, starting with `prefix`."""
-    base = len(await tok.encode(prefix))
+    base = len(await tok.encode(prefix)) if prefix else space.n_special
     if target < base + (0 if prefix else 1):
         raise ValueError(f"a prompt of {target} tokens cannot be built: the tokenizer adds "
                          f"{base} tokens by itself (prefix and special tokens)")
     sep = "\n" if prefix else ""
-    ids = list(rng.choice(pool, size=target - base))
+    ids = list(rng.choice(space.pool, size=target - base))
     for _ in range(_MAX_FIT_ROUNDS):
         text = prefix + sep + await tok.decode(ids)
         diff = len(await tok.encode(text)) - target
@@ -79,7 +96,7 @@ async def fit_prompt(tok: PromptTokenizer, target: int, rng: np.random.Generator
         if diff > 0:
             ids = ids[:max(len(ids) - diff, 0)]
         else:
-            ids.extend(rng.choice(pool, size=-diff))
+            ids.extend(rng.choice(space.pool, size=-diff))
     raise RuntimeError(f"no prompt of exactly {target} tokens found after {_MAX_FIT_ROUNDS} "
                        "corrections; this tokenizer merges pieces too aggressively")
 
@@ -101,9 +118,9 @@ async def random_requests(cfg: DatasetConfig, tok: PromptTokenizer) -> list[Benc
     rng = np.random.default_rng(cfg.seed)
     in_lens = sample_lengths(rng, cfg.input_len, cfg.range_ratio, n)
     out_lens = sample_lengths(rng, cfg.output_len, cfg.range_ratio, n)
-    pool = await token_pool(tok)
+    space = await token_space(tok)
     prompts = await asyncio.gather(*(
-        fit_prompt(tok, int(length), child, pool)
+        fit_prompt(tok, int(length), child, space)
         for length, child in zip(in_lens, _child_rngs(cfg.seed + 1, n))))
     return [BenchRequest(p, int(i), int(o)) for p, i, o in zip(prompts, in_lens, out_lens)]
 
@@ -115,12 +132,12 @@ async def prefix_requests(cfg: DatasetConfig, tok: PromptTokenizer) -> list[Benc
     rng = np.random.default_rng(cfg.seed)
     suffix_lens = sample_lengths(rng, cfg.input_len, cfg.range_ratio, n)
     out_lens = sample_lengths(rng, cfg.output_len, cfg.range_ratio, n)
-    pool = await token_pool(tok)
+    space = await token_space(tok)
     prefix_rngs = _child_rngs(cfg.seed + 2, cfg.num_prefixes)
-    prefixes = [await fit_prompt(tok, cfg.prefix_len, r, pool) for r in prefix_rngs]
+    prefixes = [await fit_prompt(tok, cfg.prefix_len, r, space) for r in prefix_rngs]
     targets = [cfg.prefix_len + int(s) for s in suffix_lens]
     prompts = await asyncio.gather(*(
-        fit_prompt(tok, t, child, pool, prefix=prefixes[i % cfg.num_prefixes])
+        fit_prompt(tok, t, child, space, prefix=prefixes[i % cfg.num_prefixes])
         for i, (t, child) in enumerate(zip(targets, _child_rngs(cfg.seed + 1, n)))))
     return [BenchRequest(p, t, int(o)) for p, t, o in zip(prompts, targets, out_lens)]
 

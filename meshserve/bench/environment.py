@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
 from importlib import metadata
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 
@@ -85,12 +87,25 @@ def gpu_info() -> dict | None:
     return {"gpus": gpus, "topology": _run(["nvidia-smi", "topo", "-m"])}
 
 
+_SECRET = re.compile(r"(api_?keys?|secret|password|credentials?)$", re.IGNORECASE)
+
+
+def redact(obj: Any) -> Any:
+    """Result files get shared: drop anything a server config calls a key or a secret."""
+    if isinstance(obj, dict):
+        return {k: "<redacted>" if _SECRET.search(str(k)) and v else redact(v)
+                for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [redact(v) for v in obj]
+    return obj
+
+
 async def server_config(session: aiohttp.ClientSession, base_url: str) -> dict | None:
     """GET /server_info; other servers may not have it, which is not an error."""
     try:
         async with session.get(base_url.rstrip("/") + "/server_info") as resp:
             if resp.status == 200:
-                return await resp.json(content_type=None)
+                return redact(await resp.json(content_type=None))
     except (aiohttp.ClientError, TimeoutError, ValueError):
         pass
     return None

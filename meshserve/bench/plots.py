@@ -47,9 +47,10 @@ def plot_distributions(result: dict, path: str) -> str:
 
 
 def plot_load_curve(points: Sequence[dict], path: str, load_label: str,
-                    slos_ms: dict[str, float] | None = None) -> str:
+                    slos_ms: dict[str, float] | None = None, best: float | None = None) -> str:
     """Latency percentiles, throughput and SLO attainment against offered load.
-    `points` are sweep points: {"load": x, "result": <run result>}."""
+    `points` are sweep points: {"load": x, "result": <run result>}; `best`, the highest
+    load meeting the SLO, is marked with a vertical green line on every panel."""
     plt = _pyplot()
     slos_ms = slos_ms or {}
     pts = sorted(points, key=lambda p: p["load"])
@@ -86,6 +87,9 @@ def plot_load_curve(points: Sequence[dict], path: str, load_label: str,
     ax.set_title("SLO attainment", fontsize=10)
     ax.set_xlabel(load_label)
     ax.set_ylabel("% of requests")
+    if best is not None:
+        for ax in axes.flat:
+            ax.axvline(best, color="green", linestyle=":", linewidth=1)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

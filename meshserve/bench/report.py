@@ -151,7 +151,7 @@ def format_sweep(sweep: dict) -> str:
     rows = []
     for p in sweep["points"]:
         r = p["result"]
-        rows.append([p["load"], r["request_throughput"], r["request_goodput"],
+        rows.append([f"{p['load']:g}", r["request_throughput"], r["request_goodput"],
                      100 * r["slo_attainment"], r.get("p50_ttft_ms"), r.get("p95_ttft_ms"),
                      r.get("p99_ttft_ms"), r.get("p95_tpot_ms"), r.get("p95_itl_ms"),
                      r.get("p95_e2el_ms"), r["failed"], "yes" if p["passed"] else "NO"])

@@ -36,10 +36,12 @@ class Benchmark:
         self._environment: dict | None = None
 
     async def __aenter__(self) -> "Benchmark":
+        key = self.config.api_key
         # limit=0: aiohttp's default pool of 100 connections would silently cap concurrency.
         self._session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0),
             timeout=aiohttp.ClientTimeout(total=self.config.request_timeout_s),
+            headers={"Authorization": f"Bearer {key}"} if key else None,
         )
         try:
             await self._resolve_model()
@@ -60,22 +62,20 @@ class Benchmark:
     async def _resolve_model(self) -> None:
         url = self.config.base_url.rstrip("/") + "/v1/models"
         try:
-            async with self.session.get(url, headers=self._auth()) as resp:
-                entries = (await resp.json(content_type=None)).get("data", []) \
-                    if resp.status == 200 else []
+            async with self.session.get(url) as resp:
+                status = resp.status
+                body = await resp.json(content_type=None) if status == 200 else {}
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise ServerUnreachable(f"cannot reach {url}: {exc}") from exc
         except ValueError:
-            entries = []
+            status, body = 0, {}
+        entries = body.get("data", []) if isinstance(body, dict) else []
         if self.config.model is None:
             if not entries:
-                raise ValueError(f"{url} lists no models; pass --model NAME")
+                why = f"answered HTTP {status}" if status != 200 else "lists no models"
+                raise ServerUnreachable(f"{url} {why}; check --api-key or pass --model NAME")
             self.model = entries[0]["id"]
         self.model_entry = next((e for e in entries if e.get("id") == self.model), None)
-
-    def _auth(self) -> dict:
-        key = self.config.api_key
-        return {"Authorization": f"Bearer {key}"} if key else {}
 
     @property
     def max_model_len(self) -> int | None:
@@ -86,7 +86,7 @@ class Benchmark:
             return LocalTokenizer(self.config.tokenizer)
         tok = ServerTokenizer(self.session, self.config.base_url, self.model)
         try:
-            await tok.encode("")
+            await tok.encode("hello")
         except (RuntimeError, aiohttp.ClientError, KeyError, ValueError):
             return None  # the dataset loader says why it needs one, if it does
         return tok
@@ -103,8 +103,7 @@ class Benchmark:
     def client(self) -> OpenAIStreamClient:
         cfg = self.config
         return OpenAIStreamClient(self.session, cfg.base_url, cfg.endpoint, self.model,
-                                  api_key=cfg.api_key, ignore_eos=cfg.ignore_eos,
-                                  temperature=cfg.temperature)
+                                  ignore_eos=cfg.ignore_eos, temperature=cfg.temperature)
 
     async def _warm_up(self, client: OpenAIStreamClient, requests: Sequence[BenchRequest],
                        load: LoadConfig) -> None:

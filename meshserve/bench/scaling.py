@@ -72,8 +72,11 @@ def parse_layouts(text: str) -> tuple[Layout, ...]:
 
 def launch_argv(template: str, layout: Layout, model: str, host: str, port: int) -> list[str]:
     if layout.dp > 1 and "{dp}" not in template:
-        raise ValueError(f"layout {layout.label} needs data parallelism, but --launch-command "
-                         "has no {dp} placeholder")
+        if template != DEFAULT_LAUNCH:
+            raise ValueError(f"layout {layout.label} needs data parallelism, but --launch-command "
+                             "has no {dp} placeholder")
+        # Only then: with DP=1 the default stays a command any server version accepts.
+        template += " --data-parallel-size {dp}"
     try:
         text = template.format(model=shlex.quote(model) if model else "", host=host,
                                port=port, tp=layout.tp, pp=layout.pp, dp=layout.dp)

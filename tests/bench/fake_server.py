@@ -76,6 +76,7 @@ class FakeConfig:
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
     max_num_seqs: int = 0  # >0: requests beyond this many wait their turn, like a full batch
+    api_key: str | None = None  # every endpoint but /health then needs "Bearer <key>"
 
 
 def _error(status: int, message: str, etype: str, code: str, **headers: str) -> web.Response:
@@ -112,8 +113,15 @@ class FakeServer:
         self.output_ids = [i for i, p in enumerate(self.tok.vocab) if len(p) == 3 and p.isalpha()]
         self.slots = asyncio.Semaphore(cfg.max_num_seqs) if cfg.max_num_seqs else None
 
+    @web.middleware
+    async def auth(self, request: web.Request, handler):
+        if (self.cfg.api_key and request.path != "/health"
+                and request.headers.get("Authorization") != f"Bearer {self.cfg.api_key}"):
+            return _error(401, "missing or wrong API key", "authentication_error", "invalid_api_key")
+        return await handler(request)
+
     def app(self) -> web.Application:
-        app = web.Application()
+        app = web.Application(middlewares=[self.auth])
         app.router.add_get("/health", lambda r: web.Response(text="ok"))
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/server_info", self.server_info)
@@ -130,7 +138,8 @@ class FakeServer:
             "max_model_len": self.cfg.max_model_len, "revision": revision}]})
 
     async def server_info(self, request: web.Request) -> web.Response:
-        return web.json_response({"model": self.cfg.model, **vars(self.cfg)})
+        # Like a careless server: the key is in there, and the benchmark must not keep it.
+        return web.json_response({"model": self.cfg.model, "config": vars(self.cfg)})
 
     async def tokenize(self, request: web.Request) -> web.Response:
         ids = self.tok.encode((await request.json())["prompt"])
@@ -231,6 +240,7 @@ def main() -> None:
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--pipeline-parallel-size", type=int, default=1)
     p.add_argument("--data-parallel-size", type=int, default=1)
+    p.add_argument("--api-key", default=None)
     p.add_argument("--max-num-seqs", type=int, default=0,
                    help="requests served at once; the rest queue (0: unlimited)")
     p.add_argument("--startup-delay", type=float, default=0.0,
@@ -241,7 +251,8 @@ def main() -> None:
                      partial_fail_every=a.partial_fail_every,
                      tensor_parallel_size=a.tensor_parallel_size,
                      pipeline_parallel_size=a.pipeline_parallel_size,
-                     data_parallel_size=a.data_parallel_size, max_num_seqs=a.max_num_seqs)
+                     data_parallel_size=a.data_parallel_size, max_num_seqs=a.max_num_seqs,
+                     api_key=a.api_key)
     asyncio.run(serve(cfg, a.host, a.port, a.startup_delay))
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from meshserve.bench.config import DatasetConfig, parse_goodput
 from meshserve.bench.datasets import (fit_prompt, load_requests, prefix_requests,
-                                      random_requests, token_pool)
+                                      random_requests, token_space)
 from meshserve.bench.tokenization import LocalTokenizer
 
 from .fake_server import ToyTokenizer
@@ -34,13 +34,14 @@ def count(tok, text: str) -> int:
 
 def test_naive_decode_reencode_drifts_and_fit_corrects_it():
     tok = InProcessToy()
-    pool = asyncio.run(token_pool(tok))
+    space = asyncio.run(token_space(tok))
+    assert space.n_special == 1  # the toy tokenizer's BOS
     rng = np.random.default_rng(0)
     drifted = 0
     for target in (20, 100, 400):
-        naive = tok.tok.decode(list(rng.choice(pool, size=target - 1)))
+        naive = tok.tok.decode(list(rng.choice(space.pool, size=target - 1)))
         drifted += count(tok, naive) != target
-        assert count(tok, asyncio.run(fit_prompt(tok, target, rng, pool))) == target
+        assert count(tok, asyncio.run(fit_prompt(tok, target, rng, space))) == target
     assert drifted, "the toy tokenizer should merge pieces, or this test proves nothing"
 
 
@@ -85,6 +86,7 @@ def test_local_hf_tokenizer_gives_exact_lengths(tmp_path):
 
     local = LocalTokenizer(str(tmp_path))  # a directory holding tokenizer.json
     assert asyncio.run(local.encode("")) == [0]
+    assert asyncio.run(token_space(local)).n_special == 1
     reqs = asyncio.run(random_requests(DatasetConfig(num_prompts=8, input_len=40), local))
     assert all(len(tok.encode(r.prompt).ids) == 40 for r in reqs)
 

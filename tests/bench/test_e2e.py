@@ -12,7 +12,7 @@ import urllib.request
 import pytest
 
 from meshserve.bench.config import ENDPOINTS, BenchConfig, DatasetConfig, LoadConfig
-from meshserve.bench.runner import run_serve
+from meshserve.bench.runner import ServerUnreachable, run_serve
 
 from . import reference_client
 from .helpers import fake_server, run_bench
@@ -107,3 +107,15 @@ def test_rejections_and_broken_streams_are_counted_exactly(tmp_path):
                                 "HTTP 400 (context_length_exceeded)": 3,
                                 "stream error (partial_stream_failure)": 3}
     assert result["total_output_tokens"] == 10 * 6
+
+
+def test_api_key_reaches_every_endpoint():
+    with fake_server("--ttft-ms", "5", "--itl-ms", "2", "--api-key", "s3cret") as url:
+        cfg = BenchConfig(base_url=url, api_key="s3cret", show_progress=False,
+                          dataset=DatasetConfig(num_prompts=3, input_len=16, output_len=2))
+        result = run_serve(cfg)  # /v1/models, /tokenize, /detokenize, completions, /server_info
+        assert result["completed"] == 3
+        assert result["environment"]["server"]["config"]["api_key"] == "<redacted>"
+        assert "s3cret" not in json.dumps(result)
+        with pytest.raises(ServerUnreachable, match="HTTP 401"):
+            run_serve(BenchConfig(base_url=url, show_progress=False))

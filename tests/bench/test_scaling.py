@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from meshserve.bench.config import BenchConfig, DatasetConfig
-from meshserve.bench.scaling import (Layout, ScalingConfig, add_efficiency, launch_argv,
+from meshserve.bench.scaling import (DEFAULT_LAUNCH, Layout, ScalingConfig, add_efficiency, launch_argv,
                                      parse_layouts, run_scaling)
 
 from .helpers import FAKE_SERVER, run_bench
@@ -45,6 +45,10 @@ def test_launch_template():
         launch_argv("serve --gpus {gpus}", Layout(1), "", "h", 1)
     with pytest.raises(ValueError, match="no {dp}"):
         launch_argv("serve --port {port}", Layout(1, 1, 2), "", "h", 1)
+    default = launch_argv(DEFAULT_LAUNCH, Layout(2, 1, 2), "m.gguf", "h", 7)
+    assert default == ["meshserve", "serve", "m.gguf", "--port", "7", "--tensor-parallel-size",
+                       "2", "--pipeline-parallel-size", "1", "--data-parallel-size", "2"]
+    assert "--data-parallel-size" not in launch_argv(DEFAULT_LAUNCH, Layout(2), "", "h", 7)
 
 
 def test_efficiency_is_relative_to_the_first_layout_that_ran():
