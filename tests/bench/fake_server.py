@@ -3,11 +3,14 @@
 Run as a script (prints `READY http://127.0.0.1:PORT` once it listens):
     python tests/bench/fake_server.py [MODEL] --port 0 --ttft-ms 40 --itl-ms 10
 
-Timing: the first token goes out `ttft_ms / tp` after the request arrives, then one token
+Timing: the first token goes out `ttft_ms / tp` after the request starts, then one token
 per chunk every `itl_ms / tp`; a larger --tensor-parallel-size is a faster server, which
-gives the scaling benchmark something to measure. `--reject-every N` answers every Nth
-accepted request with 429; prompts longer than --max-model-len get 400;
-`--partial-fail-every N` breaks every Nth stream halfway with a partial_stream_failure event.
+gives the scaling benchmark something to measure. `--max-num-seqs N` serves N requests at
+a time and queues the rest. Failures on purpose: `--reject-every N` answers every Nth
+accepted request with 429; prompts that do not fit --max-model-len get 400;
+`--partial-fail-every N` breaks every Nth stream halfway with a partial_stream_failure
+event; `--api-key K` answers 401 without `Authorization: Bearer K`; `--startup-delay S`
+listens only after S seconds.
 """
 from __future__ import annotations
 
