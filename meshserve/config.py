@@ -4,9 +4,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import asdict, dataclass, field, fields
 
-import torch
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPES = ("float32", "bfloat16", "float16")
 _DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
 CPU_DEFAULT_KV_BYTES = 4 << 30  # like vLLM's CPU backend: 4 GiB unless told otherwise
 
@@ -46,7 +44,7 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}, got {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
-        if self.device == "cuda" and not torch.cuda.is_available():
+        if self.device == "cuda" and not _cuda_available():
             raise ValueError("device='cuda' was requested but no CUDA device is available")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
@@ -69,15 +67,17 @@ class EngineConfig:
     def world_size(self) -> int:
         return self.tensor_parallel_size * self.pipeline_parallel_size
 
-    def resolved_device(self) -> torch.device:
+    def resolved_device(self):
+        import torch
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
 
-    def resolved_dtype(self) -> torch.dtype:
+    def resolved_dtype(self):
+        import torch
         if self.dtype == "auto":  # bf16 on GPUs, fp32 on CPUs (CPU bf16 matmuls are slow without AMX)
             return torch.bfloat16 if self.resolved_device().type == "cuda" else torch.float32
-        return _DTYPES[self.dtype]
+        return getattr(torch, self.dtype)
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -117,6 +117,11 @@ class EngineConfig:
     def from_cli_args(cls, args: argparse.Namespace) -> "EngineConfig":
         names = {f.name for f in fields(cls)} - {"extra"}
         return cls(**{k: v for k, v in vars(args).items() if k in names})
+
+
+def _cuda_available() -> bool:
+    import torch  # imported here so that building the CLI parser stays fast
+    return torch.cuda.is_available()
 
 
 def _parse_bytes(text: str) -> int:

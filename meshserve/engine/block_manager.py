@@ -68,7 +68,8 @@ class BlockManager:
             return []
         bs = self.block_size
         hits: list[Block] = []
-        for i, h in enumerate(self._block_hashes(seq, (seq.num_tokens - 1) // bs)):
+        num_full = (seq.num_tokens - 1) // bs
+        for i, h in enumerate(self._block_hashes(seq, num_full)[:num_full]):
             block = self.cached.get(h)
             if block is None or block.token_ids != tuple(seq.token_ids[i * bs:(i + 1) * bs]):
                 break
@@ -110,7 +111,7 @@ class BlockManager:
         # The tokens being computed this step are known now, and the model writes every new K/V
         # of a layer before any sequence reads the cache, so registering at scheduling time is safe.
         bs = self.block_size
-        for i, h in enumerate(self._block_hashes(seq, num_full)):
+        for i, h in enumerate(self._block_hashes(seq, num_full)[:num_full]):
             block = self.blocks[seq.block_table[i]]
             if block.block_hash is None and h not in self.cached:
                 block.block_hash = h
