@@ -3,6 +3,7 @@ tokenization and checks, SamplingParams, logprob formatting, and the generate-an
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import time
 from typing import Any, AsyncIterator, Callable, TypeVar
@@ -150,12 +151,11 @@ class ServingContext:
             raise from_value_error(exc) from None
 
     # ---- tokenizer ----------------------------------------------------------------------------
-    async def encode(self, text: str, param: str = "prompt") -> list[int]:
+    async def encode(self, text: str, param: str = "prompt", add_special_tokens: bool = True) -> list[int]:
         if not text:  # checked on the text: a BOS token alone is no prompt either
             raise bad_request("the prompt is empty", param=param, code="empty_prompt")
-        if len(text) > _THREAD_TOKENIZE_CHARS:
-            return await asyncio.to_thread(self.tokenizer.encode, text)
-        return self.tokenizer.encode(text)
+        encode = functools.partial(self.tokenizer.encode, text, add_special_tokens=add_special_tokens)
+        return await asyncio.to_thread(encode) if len(text) > _THREAD_TOKENIZE_CHARS else encode()
 
     def token_str(self, token_id: int) -> str:
         s = self._token_strs.get(token_id)

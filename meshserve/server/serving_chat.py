@@ -32,7 +32,8 @@ async def create_chat_completion(ctx: ServingContext, request: Request) -> Respo
                                                  add_generation_prompt=req.add_generation_prompt)
     except Exception as exc:  # the template's own checks (roles, order) speak for themselves
         raise bad_request(f"messages: {exc}", param="messages") from None
-    ids = await ctx.encode(text, "messages")
+    # The template already wrote the special tokens it wants (as LLM.chat does).
+    ids = await ctx.encode(text, "messages", add_special_tokens=False)
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     max_tokens = ctx.max_tokens(requested, len(ids), default=None)  # default: the rest of the context
     logprobs = (req.top_logprobs or 0) if req.logprobs else None

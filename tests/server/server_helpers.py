@@ -23,16 +23,17 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, args: list[str], *, startup_timeout: float = 180.0) -> None:
+    def __init__(self, args: list[str], *, startup_timeout: float = 180.0, wait: bool = True) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile(prefix="meshserve-test-", suffix=".log", delete=False)
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), str(REPO)])}
         self.proc = subprocess.Popen([sys.executable, *args, "--port", str(self.port)], cwd=REPO, env=env,
                                      stdout=self.log, stderr=subprocess.STDOUT)
-        self._wait_ready(startup_timeout)
+        if wait:
+            self.wait_ready(startup_timeout)
 
-    def _wait_ready(self, timeout: float) -> None:
+    def wait_ready(self, timeout: float = 180.0) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -1,0 +1,182 @@
+"""What the HTTP server costs: one workload through `LLM.generate` and through `meshserve serve`.
+
+The same requests (random prompt token ids, greedy, ignore_eos, fixed output length) run offline in
+this process, then through a server started here on a free loopback port, all sent at once as
+streaming /v1/completions requests. Prints output tokens/s of both and their ratio; the server
+should deliver at least 85% of the offline throughput.
+
+    python benchmarks/serving_overhead.py                      # 64 x (256 in, 128 out)
+    python benchmarks/serving_overhead.py --num-prompts 8 --input-len 32 --output-len 16
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import aiohttp
+
+REPO = Path(__file__).resolve().parents[1]
+TARGET_RATIO = 0.85
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="default")
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--input-len", type=int, default=256)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--max-model-len", type=int, default=None, help="default: input + output length")
+    p.add_argument("--max-num-seqs", type=int, default=None, help="default: --num-prompts")
+    p.add_argument("--kv-cache-memory", type=int, default=None, metavar="BYTES",
+                   help="KV cache budget (default: the engine's)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--repeats", type=int, default=1, help="alternate offline/server runs N times, keep the best")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    return p.parse_args()
+
+
+def engine_settings(a: argparse.Namespace) -> dict:
+    """The same engine settings for both runs, as LLM keyword arguments."""
+    settings = {"max_model_len": a.max_model_len or a.input_len + a.output_len,
+                "max_num_seqs": a.max_num_seqs or a.num_prompts, "seed": a.seed}
+    if a.kv_cache_memory is not None:
+        settings["kv_cache_memory_bytes"] = a.kv_cache_memory
+    return settings
+
+
+def serve_flags(a: argparse.Namespace) -> list[str]:
+    names = {"kv_cache_memory_bytes": "--kv-cache-memory"}
+    return [x for k, v in engine_settings(a).items() for x in (names.get(k, "--" + k.replace("_", "-")), str(v))]
+
+
+def random_prompts(a: argparse.Namespace, vocab_size: int) -> list[list[int]]:
+    rng = random.Random(a.seed)
+    low = min(1000, vocab_size // 2)  # skip the special tokens at the start of the vocabulary
+    return [[rng.randrange(low, vocab_size) for _ in range(a.input_len)] for _ in range(a.num_prompts)]
+
+
+def run_offline(llm, prompts: list[list[int]], a: argparse.Namespace) -> tuple[float, int]:
+    from meshserve import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=a.output_len, ignore_eos=True)
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    return time.perf_counter() - start, sum(len(o.outputs[0].token_ids) for o in outs)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def _stream_one(session: aiohttp.ClientSession, url: str, prompt: list[int], a) -> int:
+    body = {"prompt": prompt, "max_tokens": a.output_len, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    usage = None
+    async with session.post(url, json=body) as resp:
+        resp.raise_for_status()
+        async for raw in resp.content:
+            line = raw.decode().strip()
+            if line.startswith("data: {"):
+                event = json.loads(line[6:])
+                if "error" in event:
+                    raise RuntimeError(f"stream failed: {event['error']}")
+                usage = event.get("usage") or usage
+    return usage["completion_tokens"]
+
+
+async def _drive(url: str, prompts: list[list[int]], a) -> tuple[float, int]:
+    timeout = aiohttp.ClientTimeout(total=None, sock_read=3600)
+    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
+        await _stream_one(session, url, [1000 + i for i in range(8)], argparse.Namespace(output_len=2))
+        start = time.perf_counter()
+        counts = await asyncio.gather(*(_stream_one(session, url, p, a) for p in prompts))
+        return time.perf_counter() - start, sum(counts)
+
+
+def start_server(a: argparse.Namespace) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    cmd = [sys.executable, "-m", "meshserve", "serve", a.model, "--port", str(port), "--log-level", "warning",
+           *serve_flags(a)]
+    proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+    base = f"http://127.0.0.1:{port}"
+    try:
+        _wait_healthy(base, proc)
+    except BaseException:
+        proc.kill()
+        raise
+    return proc, base
+
+
+def _wait_healthy(base: str, proc: subprocess.Popen, timeout: float = 600) -> None:
+    import urllib.request
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with code {proc.returncode}")
+        try:
+            with urllib.request.urlopen(base + "/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError("the server did not become healthy")
+
+
+def main() -> int:
+    from meshserve import LLM, SamplingParams
+
+    a = parse_args()
+    llm = LLM(a.model, **engine_settings(a))
+    prompts = random_prompts(a, llm.get_tokenizer().vocab_size)
+    llm.generate([[1000 + i for i in range(8)]], SamplingParams(temperature=0, max_tokens=2))  # warm-up
+    proc, base = start_server(a)
+    runs: dict[str, list[tuple[float, int]]] = {"offline": [], "server": []}
+    try:
+        # Alternate the two so that drifting load on the machine hits both alike; keep the best of each.
+        for _ in range(a.repeats):
+            runs["offline"].append(run_offline(llm, prompts, a))
+            runs["server"].append(asyncio.run(_drive(base + "/v1/completions", prompts, a)))
+    finally:
+        proc.terminate()
+        proc.wait(60)
+    expected = a.num_prompts * a.output_len
+    bad = {name: tokens for name, rs in runs.items() for _, tokens in rs if tokens != expected}
+    if bad:
+        print(f"error: expected {expected} output tokens per run, got {bad}", file=sys.stderr)
+        return 1
+    offline_s = min(t for t, _ in runs["offline"])
+    server_s = min(t for t, _ in runs["server"])
+    offline_tps, server_tps = expected / offline_s, expected / server_s
+    ratio = server_tps / offline_tps
+    result = {"num_prompts": a.num_prompts, "input_len": a.input_len, "output_len": a.output_len,
+              "repeats": a.repeats, "offline_s": [round(t, 3) for t, _ in runs["offline"]],
+              "server_s": [round(t, 3) for t, _ in runs["server"]],
+              "offline_output_tokens_per_s": round(offline_tps, 2),
+              "server_output_tokens_per_s": round(server_tps, 2), "ratio": round(ratio, 4),
+              "target_ratio": TARGET_RATIO, "meets_target": ratio >= TARGET_RATIO}
+    if a.json:
+        print(json.dumps(result))
+    else:
+        print(f"workload: {a.num_prompts} requests x ({a.input_len} prompt, {a.output_len} output) tokens, "
+              f"greedy, ignore_eos; best of {a.repeats}")
+        print(f"offline LLM.generate : {offline_tps:10.1f} output tok/s ({offline_s:.2f} s)")
+        print(f"HTTP server (stream) : {server_tps:10.1f} output tok/s ({server_s:.2f} s)")
+        print(f"ratio server/offline : {ratio:10.3f} (target >= {TARGET_RATIO}: "
+              f"{'met' if ratio >= TARGET_RATIO else 'NOT met'})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

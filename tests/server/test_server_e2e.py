@@ -1,0 +1,192 @@
+"""The real server (`python -m meshserve serve`, embedded model) driven by the official openai client and
+raw HTTP: answers equal offline `LLM.generate`, 32 concurrent streams, disconnects, and a fuzz."""
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+
+import httpx
+import openai
+import pytest
+from server_helpers import ServerProcess
+from server_sse import metric, next_event
+
+from meshserve import LLM, SamplingParams
+
+MAX_MODEL_LEN = 256
+KV_BYTES = 64 << 20
+MAX_BODY = 256 * 1024
+MAX_TOKENS = 6
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+PROMPT = "The capital of France is"
+
+
+@pytest.fixture(scope="module")
+def stack():
+    """The server and an offline LLM with the same settings, loaded side by side."""
+    server = ServerProcess(["-m", "meshserve", "serve", "--max-model-len", str(MAX_MODEL_LEN),
+                            "--kv-cache-memory", str(KV_BYTES), "--max-num-seqs", "32",
+                            "--max-body-bytes", str(MAX_BODY), "--log-level", "warning"], wait=False)
+    try:
+        llm = LLM(max_model_len=MAX_MODEL_LEN, kv_cache_memory_bytes=KV_BYTES, max_num_seqs=32)
+        server.wait_ready(300)
+    except BaseException:
+        server.stop()
+        raise
+    yield server, llm
+    assert server.stop() == 0, server.output()
+
+
+@pytest.fixture(scope="module")
+def server(stack):
+    return stack[0]
+
+
+@pytest.fixture(scope="module")
+def llm(stack):
+    return stack[1]
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def offline(llm, prompt: str) -> str:
+    return llm.generate([prompt], GREEDY)[0].outputs[0].text
+
+
+def test_openai_client_completions_match_offline(client, llm):
+    expected = offline(llm, PROMPT)
+    model = client.models.list().data[0]
+    assert model.id == "SmolLM2-135M-Instruct" and model.max_model_len == MAX_MODEL_LEN and model.revision
+    r = client.completions.create(model=model.id, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0)
+    assert r.choices[0].text == expected and r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == MAX_TOKENS and r.usage.prompt_tokens == len(llm.get_tokenizer().encode(PROMPT))
+    chunks = list(client.completions.create(model=model.id, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == expected
+    assert chunks[-1].usage.total_tokens == r.usage.total_tokens
+
+
+def test_openai_client_chat_matches_offline(client, llm):
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    expected = llm.chat(messages, GREEDY)[0].outputs[0].text
+    r = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=messages, max_tokens=MAX_TOKENS,
+                                       temperature=0)
+    assert r.choices[0].message.content == expected and r.choices[0].message.role == "assistant"
+    stream = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=messages, max_tokens=MAX_TOKENS,
+                                            temperature=0, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in stream) == expected
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="no-such-model", messages=messages, max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="context"):
+        client.completions.create(model="SmolLM2-135M-Instruct", prompt="word " * 400, max_tokens=2)
+
+
+def test_32_concurrent_streams_each_get_their_own_answer(server, llm):
+    prompts = [f"Question {i}: what comes after {i}?" for i in range(32)]
+    expected = [o.outputs[0].text for o in llm.generate(prompts, GREEDY)]
+
+    async def one(client: openai.AsyncOpenAI, prompt: str) -> str:
+        stream = await client.completions.create(model="SmolLM2-135M-Instruct", prompt=prompt, max_tokens=MAX_TOKENS,
+                                                 temperature=0, stream=True)
+        return "".join([c.choices[0].text async for c in stream])
+
+    async def run() -> list[str]:
+        client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+        try:
+            return await asyncio.gather(*(one(client, p) for p in prompts))
+        finally:
+            await client.close()
+
+    assert asyncio.run(run()) == expected
+
+
+def test_disconnected_clients_leave_kv_usage_at_idle(server):
+    def scrape() -> str:
+        return httpx.get(server.url + "/metrics").text
+
+    idle = metric(scrape(), "meshserve:kv_cache_usage_perc")
+    with httpx.Client(base_url=server.url, timeout=120) as http:
+        streams = [http.stream("POST", "/v1/completions", json={"prompt": f"Tell me a long story number {i}.",
+                                                                "max_tokens": 200, "stream": True})
+                   for i in range(3)]
+        responses = [s.__enter__() for s in streams]
+        iterators = [r.iter_lines() for r in responses]
+        for lines in iterators:
+            next_event(lines)
+        assert metric(scrape(), "meshserve:kv_cache_usage_perc") > idle
+        for s in streams:  # hang up mid-answer
+            s.__exit__(None, None, None)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        text = scrape()
+        if metric(text, "meshserve:kv_cache_usage_perc") == idle and metric(text, "meshserve:num_requests_running") == 0:
+            break
+        time.sleep(0.1)
+    assert metric(text, "meshserve:kv_cache_usage_perc") == idle
+    assert metric(text, 'meshserve:request_success_total{finished_reason="abort"}') >= 3
+
+
+def _malformed_requests(rng: random.Random, count: int):
+    """(method, path, body bytes) that are each wrong in one way chosen at random."""
+    base = {"model": "SmolLM2-135M-Instruct", "prompt": PROMPT, "max_tokens": 4, "temperature": 0}
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    wrong_values = {
+        "prompt": [5, {"a": 1}, [1.5], [["x"]], True, ""], "max_tokens": ["4", 4.5, -3, 0, 10**9, [4], True],
+        "temperature": ["hot", -0.5, 101, [0]], "top_p": [0, 1.5, "1"], "n": [0, 129, 10**6, "2", 1.0],
+        "logprobs": [21, -1, "3", 2.5], "stop": [5, [""], [1, 2], {"s": 1}], "stream": ["yes", 1, [True]],
+        "seed": [2**64, "7", 1.5], "model": ["gpt-17", 5, ""], "stream_options": [{"include_usage": True}],
+    }
+    for i in range(count):
+        kind = i % 10
+        if kind == 0:
+            field = rng.choice(sorted(wrong_values))
+            yield "POST", "/v1/completions", json.dumps({**base, field: rng.choice(wrong_values[field])}).encode()
+        elif kind == 1:
+            text = json.dumps(base)
+            yield "POST", "/v1/completions", text[:rng.randrange(1, len(text) - 1)].encode()
+        elif kind == 2:
+            yield "POST", rng.choice(["/v1/completions", "/v1/chat/completions", "/tokenize"]), rng.randbytes(
+                rng.randrange(1, 300))
+        elif kind == 3:
+            yield "POST", "/v1/completions", json.dumps({**base, f"extra_{rng.randrange(10**6)}": 1}).encode()
+        elif kind == 4:
+            body = json.dumps({**base, "prompt": "PLACEHOLDER"}).encode()
+            yield "POST", "/v1/completions", body.replace(b"PLACEHOLDER", b"ab" + rng.randbytes(1) + b"\xff")
+        elif kind == 5:
+            bad_chat = rng.choice([{"messages": []}, {"messages": "hi"}, {"messages": [{"role": "cat", "content": "x"}]},
+                                   {"messages": [{"role": "user", "content": 7}]}, {**chat, "top_logprobs": 3},
+                                   {**chat, "n": -1}, {**chat, "max_completion_tokens": -2}])
+            yield "POST", "/v1/chat/completions", json.dumps(bad_chat).encode()
+        elif kind == 6:
+            yield "POST", "/v1/completions", json.dumps({**base, "prompt": "word " * rng.randrange(300, 600)}).encode()
+        elif kind == 7:
+            yield "POST", "/v1/completions", b'{"prompt": "' + b"z" * (MAX_BODY + rng.randrange(1, 1000)) + b'"}'
+        elif kind == 8:
+            yield rng.choice([("GET", "/v1/completions"), ("PUT", "/v1/chat/completions"), ("POST", "/v1/nothing"),
+                              ("DELETE", "/health"), ("POST", "/v1/models")]) + (b"{}",)
+        else:
+            yield "POST", "/detokenize", json.dumps({"tokens": rng.choice([[-1], [10**9], ["a"], [1.5], "x"])}).encode()
+
+
+def test_fuzz_never_breaks_the_server(server, client):
+    def greedy() -> str:
+        return client.completions.create(model="SmolLM2-135M-Instruct", prompt=PROMPT, max_tokens=MAX_TOKENS,
+                                         temperature=0).choices[0].text
+
+    before = greedy()
+    statuses = []
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        for method, path, body in _malformed_requests(random.Random(1234), 240):
+            r = http.request(method, path, content=body, headers={"Content-Type": "application/json"})
+            statuses.append(r.status_code)
+            assert r.status_code in (400, 404, 405, 413), (path, body[:200], r.status_code, r.text)
+            error = r.json()["error"]
+            assert error["message"] and error["type"] and "x-request-id" in r.headers
+    assert len(statuses) == 240 and {400, 404, 405, 413} <= set(statuses)
+    assert httpx.get(server.url + "/health").status_code == 200
+    assert greedy() == before
