@@ -1,0 +1,231 @@
+"""`meshserve plan --calibrate`: measure this machine and cache the constants.
+
+Three measurements, a few seconds in all:
+* matmul FLOP/s: best of a few n x n matmuls (bf16 on a GPU, fp32 on a CPU), 2 n^3 FLOPs each;
+* memory bandwidth: best of a few copies of a buffer far larger than the caches, counting the
+  bytes read and the bytes written;
+* all-reduce between 2 local processes (torch.distributed, gloo): the ring model for N = 2 is
+  t(S) = 2 alpha + S / beta, so a 4-byte all-reduce gives alpha and a 4 MiB one gives beta.
+Times are wall-clock by default. On a CPU shared with other work, `cpu_time=True` (with one
+thread) times matmul and copies in the calling thread's CPU time, so time slices taken by other
+processes do not count; a step timer compared against such a calibration must do the same.
+The result is JSON at $MESHSERVE_CALIBRATION_FILE, else $XDG_CACHE_HOME/meshserve/calibration.json,
+else ~/.cache/meshserve/calibration.json; the `this-machine` GPU entry reads it back.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Callable
+
+from .specs import GPUSpec
+
+ALLREDUCE_RANKS = 2
+
+
+@dataclass(frozen=True)
+class Calibration:
+    device: str
+    matmul_dtype: str
+    matmul_flops: float
+    memory_bandwidth: float        # bytes/s
+    allreduce_latency_s: float     # alpha, per ring hop
+    allreduce_bandwidth: float     # beta, bytes/s
+    memory_bytes: float            # device memory (RAM on a CPU)
+    devices: int                   # GPUs on this machine; 1 for a CPU
+    threads: int
+    torch_version: str
+    measured_at: str
+    clock: str = "wall"            # or "thread-cpu"
+
+    def to_gpu_spec(self) -> GPUSpec:
+        """Measured constants stand in for every datasheet figure: they are achievable rates,
+        so the planner applies no further efficiency factor."""
+        return GPUSpec(
+            name="this-machine", memory_bytes=self.memory_bytes,
+            hbm_bandwidth=self.memory_bandwidth, bf16_flops=self.matmul_flops,
+            fp8_flops=None, fp32_flops=self.matmul_flops,
+            intra_node_bandwidth=self.allreduce_bandwidth,
+            inter_node_bandwidth=self.allreduce_bandwidth,
+            intra_node_latency_s=self.allreduce_latency_s,
+            inter_node_latency_s=self.allreduce_latency_s,
+            gpus_per_node=self.devices, measured=True,
+            notes=f"measured on {self.device} ({self.matmul_dtype} matmul, {self.threads} threads) "
+                  f"at {self.measured_at}")
+
+
+def default_calibration_path() -> Path:
+    if env := os.environ.get("MESHSERVE_CALIBRATION_FILE"):
+        return Path(env).expanduser()
+    cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(cache) / "meshserve" / "calibration.json"
+
+
+def save_calibration(cal: Calibration, path: str | Path | None = None) -> Path:
+    path = Path(path).expanduser() if path else default_calibration_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(asdict(cal), indent=2) + "\n")
+    return path
+
+
+def load_calibration(path: str | Path | None = None) -> Calibration:
+    path = Path(path).expanduser() if path else default_calibration_path()
+    if not path.is_file():
+        raise ValueError(f"no calibration at {path}: run `meshserve plan --calibrate` first "
+                         f"(or pass --calibration-file)")
+    try:
+        data = json.loads(path.read_text())
+        return Calibration(**{f.name: data[f.name] for f in fields(Calibration) if f.name in data})
+    except (json.JSONDecodeError, TypeError) as exc:
+        raise ValueError(f"calibration file {path} is unreadable ({exc}); run "
+                         f"`meshserve plan --calibrate` again") from None
+
+
+Clock = Callable[[], float]
+
+
+def _best_time(fn: Callable[[], object], repeats: int, sync: Callable[[], None],
+               clock: Clock) -> float:
+    fn()
+    sync()
+    best = float("inf")
+    for _ in range(repeats):
+        start = clock()
+        fn()
+        sync()
+        best = min(best, clock() - start)
+    return best
+
+
+def measure_matmul_flops(device: str, dtype, n: int = 1024, repeats: int = 5,
+                         clock: Clock = time.perf_counter) -> float:
+    import torch
+
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    return 2 * n**3 / _best_time(lambda: a @ b, repeats, _sync(device), clock)
+
+
+def measure_memory_bandwidth(device: str, nbytes: int = 128 * 2**20, repeats: int = 5,
+                             clock: Clock = time.perf_counter) -> float:
+    import torch
+
+    src = torch.ones(nbytes // 4, device=device, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    return 2 * nbytes / _best_time(lambda: dst.copy_(src), repeats, _sync(device), clock)
+
+
+def _sync(device: str) -> Callable[[], None]:
+    if device.startswith("cuda"):
+        import torch
+        return torch.cuda.synchronize
+    return lambda: None
+
+
+def _loopback_interface() -> str | None:
+    names = [name for _, name in socket.if_nameindex()]
+    return next((n for n in names if n.startswith("lo")), None)
+
+
+def _allreduce_worker(rank: int, store_file: str, sizes: list[int], repeats: int, queue) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank,
+                            world_size=ALLREDUCE_RANKS)
+    try:
+        medians = []
+        for size in sizes:
+            t = torch.ones(max(1, size // 4), dtype=torch.float32)
+            for _ in range(3):
+                dist.all_reduce(t)
+            times = []
+            for _ in range(repeats):
+                dist.barrier()
+                start = time.perf_counter()
+                dist.all_reduce(t)
+                times.append(time.perf_counter() - start)
+            medians.append(statistics.median(times))
+        if rank == 0:
+            queue.put(medians)
+    finally:
+        dist.destroy_process_group()
+
+
+def measure_allreduce(small: int = 4, large: int = 4 * 2**20, repeats: int = 20,
+                      timeout_s: float = 60.0) -> tuple[float, float]:
+    """(alpha seconds, beta bytes/s) from the ring model fitted to two message sizes."""
+    import torch.multiprocessing as mp
+
+    iface = _loopback_interface()
+    if iface and "GLOO_SOCKET_IFNAME" not in os.environ:
+        os.environ["GLOO_SOCKET_IFNAME"] = iface  # keep the rendezvous on loopback
+    # fork starts in milliseconds (torch is already imported); spawn where fork is unsafe.
+    ctx = mp.get_context("fork" if sys.platform.startswith("linux") else "spawn")
+    queue = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        store = os.path.join(tmp, "store")
+        procs = [ctx.Process(target=_allreduce_worker, args=(r, store, [small, large], repeats, queue),
+                             daemon=True) for r in range(ALLREDUCE_RANKS)]
+        for p in procs:
+            p.start()
+        try:
+            t_small, t_large = queue.get(timeout=timeout_s)
+        finally:
+            for p in procs:
+                p.join(timeout=10)
+                if p.is_alive():
+                    p.terminate()
+    n = ALLREDUCE_RANKS
+    alpha = t_small / (2 * (n - 1))
+    wire = max(t_large - 2 * (n - 1) * alpha, 1e-9)
+    return alpha, 2 * (n - 1) * large / (n * wire)
+
+
+def _memory_bytes(device: str) -> float:
+    if device.startswith("cuda"):
+        import torch
+        return float(torch.cuda.get_device_properties(0).total_memory)
+    import psutil
+    return float(psutil.virtual_memory().total)
+
+
+def calibrate(path: str | Path | None = None, *, threads: int | None = None,
+              cpu_time: bool = False) -> tuple[Calibration, Path]:
+    """Measure, save, and return the calibration and where it was written. `threads` sets
+    torch's intra-op threads for the measurement (default: torch's own choice)."""
+    import torch
+
+    cuda = torch.cuda.is_available()
+    if cpu_time and (cuda or threads != 1):
+        raise ValueError("cpu_time calibration needs a CPU run with threads=1")
+    device = "cuda" if cuda else "cpu"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    clock = time.thread_time if cpu_time else time.perf_counter
+    alpha, beta = measure_allreduce()
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads or previous)
+    try:
+        cal = Calibration(
+            device=torch.cuda.get_device_name(0) if cuda else "cpu",
+            matmul_dtype=str(dtype).removeprefix("torch."),
+            matmul_flops=measure_matmul_flops(device, dtype, n=4096 if cuda else 1024, clock=clock),
+            memory_bandwidth=measure_memory_bandwidth(
+                device, nbytes=(1 << 30) if cuda else 128 << 20, clock=clock),
+            allreduce_latency_s=alpha, allreduce_bandwidth=beta,
+            memory_bytes=_memory_bytes(device),
+            devices=torch.cuda.device_count() if cuda else 1,
+            threads=torch.get_num_threads(), torch_version=torch.__version__,
+            measured_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            clock="thread-cpu" if cpu_time else "wall")
+    finally:
+        torch.set_num_threads(previous)
+    return cal, save_calibration(cal, path)

@@ -1,0 +1,128 @@
+"""`meshserve plan`: size a deployment and say which layout meets the SLO."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .units import KV_DTYPES, WEIGHT_DTYPES
+
+EPILOG = """examples:
+  meshserve plan --model Qwen2.5-72B --gpu A100-80GB --gpu-memory-gib 80 --num-gpus 4 \\
+      --tensor-parallel-size 4 --runtime-reserve-gib 8 --max-model-len 8192
+  meshserve plan --model Llama-3.3-70B --gpu H100-SXM --num-gpus 8 --weight-dtype fp8 \\
+      --slo-ttft-ms 1500 --slo-itl-ms 80 --request-rate 2 --plot plan.png
+  meshserve plan --calibrate --model SmolLM2-135M --weight-dtype fp32
+  meshserve plan --list-models | --list-gpus
+"""
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "plan", help="size a deployment: memory, latency and goodput per TP x PP x DP layout",
+        description="Capacity planner: for a model and a GPU count, evaluate every tensor x "
+        "pipeline x data parallel layout (or the one given) - weights and KV cache per GPU, "
+        "decode and prefill time, and goodput under the SLO - and recommend one.",
+        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    a = p.add_argument
+    a("--model", help="catalog name (see --list-models), a config.json, or a directory with one")
+    a("--gpu", help="catalog GPU (see --list-gpus) or 'this-machine' (needs --calibrate once)")
+    a("--gpu-memory-gib", type=float, help="override the GPU's memory, in GiB")
+    a("--num-gpus", type=int, default=1, help="GPUs in the deployment (default 1)")
+    a("--gpus-per-node", type=int, help="GPUs per node (default: the GPU's usual 8)")
+    a("--tensor-parallel-size", type=int, help="evaluate only layouts with this TP")
+    a("--pipeline-parallel-size", type=int, help="evaluate only layouts with this PP")
+    a("--weight-dtype", choices=WEIGHT_DTYPES, default="bf16")
+    a("--kv-cache-dtype", choices=KV_DTYPES, default="auto",
+      help="auto: the weight dtype if 16/32-bit, else bf16")
+    a("--max-model-len", type=int, help="context per sequence (default min(8192, model's))")
+    a("--prompt-len", type=int, help="prompt tokens per request (default 3/4 of the context)")
+    a("--output-len", type=int, help="output tokens per request (default the rest)")
+    a("--gpu-memory-utilization", type=float, default=0.9)
+    a("--runtime-reserve-gib", type=float, default=2.0,
+      help="per GPU, for activations, buffers and graphs (default 2)")
+    a("--kv-transfer-bandwidth-gbs", type=float,
+      help="prefill->decode KV hand-off bandwidth, GB/s (default: the replica's NICs together)")
+    a("--kv-transfer-overhead-ms", type=float, default=5.0, help="fixed hand-off overhead")
+    a("--slo-ttft-ms", type=float, help="time-to-first-token target")
+    a("--slo-itl-ms", type=float, help="inter-token latency target")
+    a("--request-rate", type=float, help="offered load, requests/s, for the whole deployment")
+    a("--compute-efficiency", type=float,
+      help="achievable fraction of peak FLOP/s (default 0.7, 1.0 when measured)")
+    a("--bandwidth-efficiency", type=float, default=1.0,
+      help="achievable fraction of memory bandwidth (default 1.0: a lower bound on time)")
+    a("--json", action="store_true", help="print the plan as JSON")
+    a("--plot", metavar="FILE", help="write a PNG of memory and latency per layout")
+    a("--calibrate", action="store_true",
+      help="measure this machine, cache it, and plan with the measured constants")
+    a("--calibration-file", help="calibration JSON (default ~/.cache/meshserve/calibration.json)")
+    a("--list-models", action="store_true", help="list catalog models")
+    a("--list-gpus", action="store_true", help="list catalog GPUs")
+    p.set_defaults(func=run)
+
+
+def _list_models() -> str:
+    from .catalog import MODELS
+    from .params import model_params
+
+    rows = [f"{'name':16s} {'kind':8s} {'params':>9s} {'layers':>6s} {'heads/kv':>8s} {'context':>8s}  hf id"]
+    for m in MODELS.values():
+        rows.append(f"{m.name:16s} {m.kind:8s} {model_params(m).total / 1e9:8.2f}B {m.num_layers:6d} "
+                    f"{m.num_attention_heads:>3d}/{m.num_kv_heads:<4d} {m.max_context:8d}  {m.hf_id}")
+    return "\n".join(rows)
+
+
+def _list_gpus() -> str:
+    from .catalog import GPUS, THIS_MACHINE
+
+    lines = [g.describe() for g in GPUS.values()]
+    return "\n".join(lines + [f"{THIS_MACHINE}: measured by `meshserve plan --calibrate`"])
+
+
+def run(args: argparse.Namespace) -> int:
+    from .catalog import THIS_MACHINE, get_gpu, get_model, gpu_names
+
+    if args.list_models or args.list_gpus:
+        print(_list_models() if args.list_models else _list_gpus())
+        return 0
+    log = sys.stderr if args.json else sys.stdout
+    if args.calibrate:
+        from .calibrate import calibrate
+
+        if args.gpu and args.gpu.lower() != THIS_MACHINE:
+            raise ValueError(f"--calibrate plans for this machine; drop --gpu {args.gpu}")
+        cal, path = calibrate(args.calibration_file)
+        gpu = cal.to_gpu_spec()
+        print(f"calibrated {cal.device}: matmul {cal.matmul_flops / 1e9:,.1f} GFLOP/s "
+              f"({cal.matmul_dtype}), memory {cal.memory_bandwidth / 1e9:,.1f} GB/s, all-reduce "
+              f"alpha {cal.allreduce_latency_s * 1e6:,.1f} us beta {cal.allreduce_bandwidth / 1e9:,.2f} "
+              f"GB/s -> {path}", file=log)
+        if not args.model:
+            return 0
+    elif not args.gpu:
+        raise ValueError(f"--gpu is required; valid: {', '.join(gpu_names())}")
+    else:
+        gpu = get_gpu(args.gpu, args.calibration_file)
+    if not args.model:
+        raise ValueError("--model is required (a catalog name, see --list-models, or a config.json)")
+
+    from .planner import PlanConfig, plan
+    from .report import format_report, to_dict, write_plot
+
+    result = plan(PlanConfig(
+        model=get_model(args.model), gpu=gpu, num_gpus=args.num_gpus,
+        gpus_per_node=args.gpus_per_node, tensor_parallel_size=args.tensor_parallel_size,
+        pipeline_parallel_size=args.pipeline_parallel_size, weight_dtype=args.weight_dtype,
+        kv_cache_dtype=args.kv_cache_dtype, max_model_len=args.max_model_len,
+        prompt_len=args.prompt_len, output_len=args.output_len,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        runtime_reserve_gib=args.runtime_reserve_gib, gpu_memory_gib=args.gpu_memory_gib,
+        kv_transfer_bandwidth_gbs=args.kv_transfer_bandwidth_gbs,
+        kv_transfer_overhead_ms=args.kv_transfer_overhead_ms, slo_ttft_ms=args.slo_ttft_ms,
+        slo_itl_ms=args.slo_itl_ms, request_rate=args.request_rate,
+        compute_efficiency=args.compute_efficiency, bandwidth_efficiency=args.bandwidth_efficiency))
+    print(json.dumps(to_dict(result), indent=2) if args.json else format_report(result))
+    if args.plot:
+        write_plot(result, args.plot)
+        print(f"wrote {args.plot}", file=log)
+    return 0 if result.recommended else 1

@@ -1,0 +1,75 @@
+"""TP x PP x DP layouts of a GPU count, and the structural rules a layout must obey.
+
+Rejected (the engine would refuse): TP that does not divide the attention heads, TP that neither
+divides nor is a multiple of the KV heads (fractional sharding), PP deeper than the layers.
+Flagged (runs, but costs): KV-head replication, an uneven pipeline split (the fullest stage
+governs), a TP group that spans nodes (all-reduce over the inter-node network), a replica that
+spans nodes (stage sends over the network).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .specs import ModelSpec
+
+
+@dataclass(frozen=True, order=True)
+class Layout:
+    tp: int
+    pp: int
+    dp: int
+
+    @property
+    def gpus_per_replica(self) -> int:
+        return self.tp * self.pp
+
+    @property
+    def name(self) -> str:
+        return f"TP{self.tp} PP{self.pp} DP{self.dp}"
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def enumerate_layouts(num_gpus: int, tp: int | None = None, pp: int | None = None) -> list[Layout]:
+    """Every TP x PP x DP = num_gpus, optionally pinned to a given TP and/or PP."""
+    if num_gpus < 1:
+        raise ValueError(f"--num-gpus must be >= 1, got {num_gpus}")
+    for flag, value in (("--tensor-parallel-size", tp), ("--pipeline-parallel-size", pp)):
+        if value is not None and (value < 1 or num_gpus % value):
+            raise ValueError(f"{flag} {value} must divide --num-gpus {num_gpus} "
+                             f"(valid: {', '.join(map(str, divisors(num_gpus)))})")
+    if tp and pp and num_gpus % (tp * pp):
+        raise ValueError(f"TP {tp} x PP {pp} = {tp * pp} does not divide --num-gpus {num_gpus}")
+    return [Layout(t, p, num_gpus // (t * p))
+            for t in divisors(num_gpus) if tp in (None, t)
+            for p in divisors(num_gpus // t) if pp in (None, p)]
+
+
+def structural_check(spec: ModelSpec, layout: Layout, gpus_per_node: int) -> tuple[list[str], list[str]]:
+    """(reasons to reject, flags) that follow from the geometry and the topology alone."""
+    errors, flags = [], []
+    tp, pp, heads, kv = layout.tp, layout.pp, spec.num_attention_heads, spec.num_kv_heads
+    if heads % tp:
+        errors.append(f"fractional sharding: {heads} attention heads do not split over TP={tp}")
+    elif not spec.is_mla and kv % tp and tp % kv:
+        errors.append(f"fractional sharding: {kv} KV heads neither divide nor are divided by TP={tp}")
+    elif spec.is_mla and tp > 1:
+        flags.append(f"MLA latent cache replicated on all {tp} TP ranks")
+    elif tp > kv:
+        flags.append(f"KV heads replicated x{tp // kv} (TP={tp} > {kv} KV heads): "
+                     f"the cache stops shrinking")
+    if pp > spec.num_layers:
+        errors.append(f"PP={pp} exceeds the {spec.num_layers} layers")
+    elif spec.num_layers % pp:
+        base = spec.num_layers // pp
+        flags.append(f"uneven pipeline split: stages of {base + 1} and {base} layers "
+                     f"(the fullest stage governs)")
+    if tp > gpus_per_node or gpus_per_node % tp:
+        flags.append(f"TP={tp} spans nodes of {gpus_per_node} GPUs: all-reduce over the "
+                     f"inter-node network")
+    elif layout.gpus_per_replica > gpus_per_node:
+        flags.append(f"replica spans {-(-layout.gpus_per_replica // gpus_per_node)} nodes: "
+                     f"pipeline sends over the inter-node network")
+    return errors, flags

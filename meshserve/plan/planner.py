@@ -1,0 +1,243 @@
+"""The planner: validated inputs in, every layout evaluated and ranked out."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+from .goodput import OperatingPoint, Workload, operating_point, slo_capacity
+from .layouts import Layout, enumerate_layouts, structural_check
+from .memory import MemoryEstimate, estimate_memory, shard_stages
+from .params import model_params
+from .specs import GPUSpec, ModelSpec
+from .timing import PerfModel, kv_handoff_time, links_for
+from .units import GB, GiB, activation_bytes, dtype_bytes, resolve_kv_dtype
+
+DEFAULT_MAX_MODEL_LEN = 8192
+DATASHEET_COMPUTE_EFFICIENCY = 0.7  # dense GEMMs reach roughly 60-80% of datasheet peak
+
+
+@dataclass
+class PlanConfig:
+    """Everything a plan depends on; `validate()` fills defaults and checks ranges once."""
+
+    model: ModelSpec
+    gpu: GPUSpec
+    num_gpus: int = 1
+    gpus_per_node: int | None = None
+    tensor_parallel_size: int | None = None
+    pipeline_parallel_size: int | None = None
+    weight_dtype: str = "bf16"
+    kv_cache_dtype: str = "auto"
+    max_model_len: int | None = None
+    prompt_len: int | None = None
+    output_len: int | None = None
+    gpu_memory_utilization: float = 0.9
+    runtime_reserve_gib: float = 2.0
+    gpu_memory_gib: float | None = None
+    kv_transfer_bandwidth_gbs: float | None = None
+    kv_transfer_overhead_ms: float = 5.0
+    slo_ttft_ms: float | None = None
+    slo_itl_ms: float | None = None
+    request_rate: float | None = None
+    compute_efficiency: float | None = None
+    bandwidth_efficiency: float = 1.0
+    notes: list[str] = field(default_factory=list)
+
+    def validate(self) -> "PlanConfig":
+        dtype_bytes(self.weight_dtype)
+        self.kv_cache_dtype = resolve_kv_dtype(self.kv_cache_dtype, self.weight_dtype)
+        if self.gpu_memory_gib is not None:
+            _positive("--gpu-memory-gib", self.gpu_memory_gib)
+            self.gpu = replace(self.gpu, memory_bytes=self.gpu_memory_gib * GiB)
+        self.gpus_per_node = self.gpus_per_node or self.gpu.gpus_per_node
+        _positive("--gpus-per-node", self.gpus_per_node)
+        self.max_model_len = self.max_model_len or min(DEFAULT_MAX_MODEL_LEN, self.model.max_context)
+        _positive("--max-model-len", self.max_model_len)
+        if self.max_model_len > self.model.max_context:
+            self.notes.append(f"--max-model-len {self.max_model_len} exceeds the model's "
+                              f"{self.model.max_context} positions")
+        if self.prompt_len is None:  # default token mix: 3/4 prompt, 1/4 output, a full context
+            self.output_len = self.output_len or max(1, self.max_model_len // 4)
+            self.prompt_len = max(1, self.max_model_len - self.output_len)
+        self.output_len = self.output_len or max(1, self.max_model_len - self.prompt_len)
+        _positive("--prompt-len", self.prompt_len)
+        _positive("--output-len", self.output_len)
+        if self.prompt_len + self.output_len > self.max_model_len:
+            raise ValueError(f"--prompt-len {self.prompt_len} + --output-len {self.output_len} "
+                             f"exceeds --max-model-len {self.max_model_len}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"--gpu-memory-utilization must be in (0, 1], "
+                             f"got {self.gpu_memory_utilization}")
+        if self.runtime_reserve_gib < 0:
+            raise ValueError(f"--runtime-reserve-gib must be >= 0, got {self.runtime_reserve_gib}")
+        if self.compute_efficiency is None:
+            self.compute_efficiency = 1.0 if self.gpu.measured else DATASHEET_COMPUTE_EFFICIENCY
+        for flag, value in (("--compute-efficiency", self.compute_efficiency),
+                            ("--bandwidth-efficiency", self.bandwidth_efficiency)):
+            if not 0 < value <= 1:
+                raise ValueError(f"{flag} must be in (0, 1], got {value}")
+        for flag, value in (("--kv-transfer-bandwidth-gbs", self.kv_transfer_bandwidth_gbs),
+                            ("--slo-ttft-ms", self.slo_ttft_ms), ("--slo-itl-ms", self.slo_itl_ms),
+                            ("--request-rate", self.request_rate)):
+            if value is not None:
+                _positive(flag, value)
+        if self.kv_transfer_overhead_ms < 0:
+            raise ValueError(f"--kv-transfer-overhead-ms must be >= 0, got "
+                             f"{self.kv_transfer_overhead_ms}")
+        enumerate_layouts(self.num_gpus, self.tensor_parallel_size, self.pipeline_parallel_size)
+        return self
+
+    @property
+    def workload(self) -> Workload:
+        return Workload(self.prompt_len, self.output_len,
+                        self.slo_ttft_ms / 1e3 if self.slo_ttft_ms else math.inf,
+                        self.slo_itl_ms / 1e3 if self.slo_itl_ms else math.inf)
+
+
+def _positive(flag: str, value: float) -> None:
+    if not value > 0:
+        raise ValueError(f"{flag} must be > 0, got {value}")
+
+
+@dataclass
+class LayoutPlan:
+    layout: Layout
+    reasons: list[str]                  # why it is rejected (empty: valid)
+    flags: list[str]
+    memory: MemoryEstimate | None = None
+    decode_batch1_s: float | None = None
+    prefill_s: float | None = None
+    kv_handoff_s: float | None = None
+    operating: OperatingPoint | None = None
+    capacity_rps: float = 0.0           # whole deployment, within the SLO
+    goodput_rps: float = 0.0
+    rank: int | None = None
+
+    @property
+    def valid(self) -> bool:
+        return not self.reasons
+
+    @property
+    def status(self) -> str:
+        return "rejected" if self.reasons else "flagged" if self.flags else "ok"
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The rule of thumb, stated next to the goodput ranking."""
+
+    rule: str
+    layout: Layout | None
+
+
+@dataclass
+class PlanResult:
+    config: PlanConfig
+    plans: list[LayoutPlan]
+    decision: Decision
+
+    @property
+    def shown(self) -> list[LayoutPlan]:
+        """The layouts the user asked about (all, or the pinned TP/PP)."""
+        c = self.config
+        return [p for p in self.plans
+                if c.tensor_parallel_size in (None, p.layout.tp)
+                and c.pipeline_parallel_size in (None, p.layout.pp)]
+
+    @property
+    def recommended(self) -> LayoutPlan | None:
+        ranked = [p for p in self.shown if p.valid and p.rank is not None]
+        return min(ranked, key=lambda p: p.rank) if ranked else None
+
+
+def make_perf_model(spec: ModelSpec, gpu: GPUSpec, tp: int, pp: int, *, weight_dtype: str,
+                    kv_dtype: str, gpus_per_node: int, compute_efficiency: float,
+                    bandwidth_efficiency: float = 1.0) -> PerfModel:
+    return PerfModel(spec=spec, gpu=gpu, stages=tuple(shard_stages(spec, model_params(spec), tp, pp)),
+                     tp=tp, weight_bytes=dtype_bytes(weight_dtype), kv_bytes=dtype_bytes(kv_dtype),
+                     act_bytes=activation_bytes(weight_dtype),
+                     flops=gpu.peak_flops(weight_dtype) * compute_efficiency,
+                     bandwidth=gpu.hbm_bandwidth * bandwidth_efficiency,
+                     links=links_for(gpu, tp, pp, gpus_per_node))
+
+
+def evaluate(cfg: PlanConfig, layout: Layout) -> LayoutPlan:
+    spec, gpu = cfg.model, cfg.gpu
+    errors, flags = structural_check(spec, layout, cfg.gpus_per_node)
+    plan = LayoutPlan(layout, errors, flags)
+    if errors:
+        return plan
+    mem = estimate_memory(spec, model_params(spec), layout.tp, layout.pp,
+                          weight_dtype=cfg.weight_dtype, kv_dtype=cfg.kv_cache_dtype,
+                          memory_bytes=gpu.memory_bytes, utilization=cfg.gpu_memory_utilization,
+                          reserve_bytes=cfg.runtime_reserve_gib * GiB, max_model_len=cfg.max_model_len)
+    plan.memory = mem
+    if not mem.weights_fit:
+        plan.reasons.append(f"weights do not fit: {mem.weights_per_gpu_bytes / GiB:.2f} GiB per GPU "
+                            f"+ {cfg.runtime_reserve_gib:g} GiB reserve > "
+                            f"{mem.usable_per_gpu_bytes / GiB:.2f} GiB usable")
+        return plan
+    if not mem.fits:
+        plan.reasons.append(f"no room for one {cfg.max_model_len}-token sequence: needs "
+                            f"{mem.kv_bytes_per_seq_per_gpu / GiB:.3f} GiB per GPU, "
+                            f"{mem.kv_available_per_gpu_bytes / GiB:.3f} GiB free")
+        return plan
+    perf = make_perf_model(spec, gpu, layout.tp, layout.pp, weight_dtype=cfg.weight_dtype,
+                           kv_dtype=cfg.kv_cache_dtype, gpus_per_node=cfg.gpus_per_node,
+                           compute_efficiency=cfg.compute_efficiency,
+                           bandwidth_efficiency=cfg.bandwidth_efficiency)
+    work = cfg.workload
+    plan.decode_batch1_s = perf.decode_step_time(1, work.prompt_len + work.output_len / 2)
+    plan.prefill_s = perf.prefill_time(work.prompt_len)
+    transfer_bw = (cfg.kv_transfer_bandwidth_gbs * GB if cfg.kv_transfer_bandwidth_gbs
+                   else gpu.inter_node_bandwidth * layout.gpus_per_replica)
+    plan.kv_handoff_s = kv_handoff_time(mem.kv_bytes_per_token * work.prompt_len, transfer_bw,
+                                        cfg.kv_transfer_overhead_ms / 1e3)
+    max_conc = mem.seqs_of(work.prompt_len + work.output_len)
+    per_replica = slo_capacity(perf, max_conc, work)
+    plan.capacity_rps = per_replica * layout.dp
+    rate = cfg.request_rate / layout.dp if cfg.request_rate else per_replica
+    plan.operating = operating_point(perf, max_conc, work, rate)
+    plan.goodput_rps = min(cfg.request_rate, plan.capacity_rps) if cfg.request_rate else plan.capacity_rps
+    return plan
+
+
+def decide(plans: dict[Layout, LayoutPlan], num_gpus: int, gpus_per_node: int) -> Decision:
+    """The fixed-budget decision tree: 1. fits one GPU -> DP only; 2. fits TP=2 -> TP=2 x DP;
+    (fits one node at a larger TP -> the smallest such TP x DP); 3. does not fit one node ->
+    TP as wide as the node within it, PP across nodes."""
+    def fits(tp: int, pp: int) -> Layout | None:
+        if num_gpus % (tp * pp):
+            return None
+        layout = Layout(tp, pp, num_gpus // (tp * pp))
+        return layout if layout in plans and plans[layout].valid else None
+
+    if lay := fits(1, 1):
+        return Decision("1. fits one GPU: DP only, one replica per GPU", lay)
+    if lay := fits(2, 1):
+        return Decision("2. fits TP=2: prefer TP=2 x DP over one wide replica", lay)
+    for tp in range(3, min(gpus_per_node, num_gpus) + 1):
+        if lay := fits(tp, 1):
+            return Decision(f"2'. fits one node at TP={tp}: the smallest TP that fits, DP for the rest",
+                            lay)
+    # Widest TP the node holds whose head split is legal (a plan with memory passed the geometry).
+    node_tp = next((t for t in range(min(gpus_per_node, num_gpus), 0, -1)
+                    if (lay := Layout(t, 1, num_gpus // t)) in plans and plans[lay].memory), None)
+    if node_tp:
+        for pp in range(2, num_gpus // node_tp + 1):
+            if lay := fits(node_tp, pp):
+                return Decision(f"3. does not fit one node: TP={node_tp} within the node, "
+                                f"PP={pp} across nodes", lay)
+    return Decision(f"does not fit on {num_gpus} GPUs at any layout", None)
+
+
+def plan(cfg: PlanConfig) -> PlanResult:
+    cfg.validate()
+    plans = [evaluate(cfg, lay) for lay in enumerate_layouts(cfg.num_gpus)]
+    valid = [p for p in plans if p.valid]
+    valid.sort(key=lambda p: (-p.goodput_rps, -p.capacity_rps, p.operating.itl_s))
+    for i, p in enumerate(valid, 1):
+        p.rank = i
+    ordered = valid + [p for p in plans if not p.valid]
+    decision = decide({p.layout: p for p in plans}, cfg.num_gpus, cfg.gpus_per_node)
+    return PlanResult(cfg, ordered, decision)

@@ -1,0 +1,181 @@
+"""Plan output: a readable table, a JSON document, and a PNG of memory and latency per layout."""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict
+
+from .params import model_params
+from .planner import LayoutPlan, PlanResult
+from .units import GB, GiB, dtype_bytes
+
+
+def _ms(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    return "inf" if math.isinf(seconds) else f"{seconds * 1e3:,.1f}"
+
+
+def _num(x: float | None, fmt: str = "{:,.2f}") -> str:
+    if x is None:
+        return "-"
+    return "inf" if math.isinf(x) else fmt.format(x)
+
+
+def _table(headers: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
+    line = lambda cells: "  ".join(c.rjust(w) if i else c.ljust(w)
+                                   for i, (c, w) in enumerate(zip(cells, widths)))
+    return "\n".join([line(headers), line(["-" * w for w in widths]), *map(line, rows)])
+
+
+def header(result: PlanResult) -> list[str]:
+    c, m, g = result.config, result.config.model, result.config.gpu
+    counts = model_params(m)
+    wb = counts.total * dtype_bytes(c.weight_dtype)
+    kv_tok = next((p.memory.kv_bytes_per_token for p in result.plans if p.memory), 0.0)
+    active = f", {counts.active(m) / 1e9:.1f}e9 active" if m.is_moe else ""
+    slo = ", ".join(s for s in (f"TTFT <= {c.slo_ttft_ms:g} ms" if c.slo_ttft_ms else "",
+                                f"ITL <= {c.slo_itl_ms:g} ms" if c.slo_itl_ms else "") if s) or "none"
+    rate = f"{c.request_rate:g} req/s" if c.request_rate else "not given (ranked by SLO capacity)"
+    return [
+        f"Model  {m.name} ({m.kind}): {counts.total / 1e9:.2f}e9 parameters{active}; "
+        f"{c.weight_dtype} weights {wb / GB:,.2f} GB = {wb / GiB:,.2f} GiB",
+        f"KV     {c.kv_cache_dtype}: {kv_tok:,.0f} bytes/token, {kv_tok * c.max_model_len / GiB:,.3f} GiB "
+        f"= {kv_tok * c.max_model_len / GB:,.3f} GB per {c.max_model_len:,}-token sequence",
+        f"GPU    {c.num_gpus} x {g.name} ({c.gpus_per_node} per node): {g.memory_bytes / GiB:,.2f} GiB, "
+        f"{g.hbm_bandwidth / GB:,.0f} GB/s, {g.peak_flops(c.weight_dtype) / 1e12:,.1f} TFLOP/s "
+        f"{'measured' if g.measured else f'peak x {c.compute_efficiency:g} achievable'}, "
+        f"ridge {g.ridge_point(c.weight_dtype):,.0f} FLOP/byte",
+        f"Budget {c.gpu_memory_utilization:g} x memory - {c.runtime_reserve_gib:g} GiB reserve per GPU; "
+        f"token mix {c.prompt_len:,} prompt + {c.output_len:,} output; SLO {slo}; rate {rate}",
+        "Units  GB = 1e9 bytes, GiB = 2^30 bytes; bandwidths in decimal GB/s",
+    ]
+
+
+def format_report(result: PlanResult) -> str:
+    shown = result.shown
+    mem_rows, time_rows = [], []
+    for p in shown:
+        m, op = p.memory, p.operating
+        rank = str(p.rank) if p.rank else "-"
+        mem_rows.append([p.layout.name, p.status, rank,
+                         _num(m and m.weights_per_gpu_bytes / GiB),
+                         _num(m and m.kv_bytes_per_seq_per_gpu / GiB, "{:,.3f}"),
+                         _num(m and m.kv_available_per_gpu_bytes / GiB),
+                         _num(m and m.max_seqs, "{:,}"), _num(m and m.max_kv_tokens, "{:,}")])
+        if op:
+            time_rows.append([p.layout.name, rank, _ms(p.decode_batch1_s), _ms(p.prefill_s),
+                              _num(op.concurrency, "{:,.1f}"), _ms(op.itl_s), _ms(op.ttft_s),
+                              _num(op.tokens_per_s_per_user, "{:,.1f}"),
+                              _num(op.tokens_per_s, "{:,.0f}"), _ms(p.kv_handoff_s),
+                              _num(p.capacity_rps, "{:,.3f}"), _num(p.goodput_rps, "{:,.3f}"),
+                              op.limit or ("ok" if op.meets_slo else "-")])
+    out = header(result) + ["", "Memory per GPU (fullest rank), GiB"]
+    out.append(_table(["layout", "status", "rank", "weights", "KV/seq", "KV free", "max seqs",
+                       "KV tokens"], mem_rows))
+    if time_rows:
+        out += ["", "Time per replica at the operating point (the request rate, else the SLO capacity)"]
+        out.append(_table(["layout", "rank", "ITL b=1 ms", "prefill ms", "seqs", "ITL ms", "TTFT ms",
+                           "tok/s/user", "tok/s/replica", "KV hand-off ms", "SLO cap req/s",
+                           "goodput req/s", "limit"], time_rows))
+    notes = [f"  {p.layout.name}: {why}" for p in shown for why in p.reasons + p.flags]
+    if notes:
+        out += ["", "Rejected / flagged"] + notes
+    best = result.recommended
+    out += ["", f"Recommended: {best.layout.name} (highest estimated goodput under the SLO)"
+            if best else "Recommended: none - no layout fits"]
+    d = result.decision
+    agree = ("agrees" if best and d.layout == best.layout else "differs") if d.layout else ""
+    out.append(f"Rule of thumb: {d.rule}" + (f" -> {d.layout.name} ({agree})" if d.layout else ""))
+    out += [f"Note: {n}" for n in result.config.notes]
+    return "\n".join(out)
+
+
+def _finite(x):
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_finite(v) for v in x]
+    return x
+
+
+def _layout_dict(p: LayoutPlan) -> dict:
+    op = p.operating
+    return {
+        "name": p.layout.name, "tp": p.layout.tp, "pp": p.layout.pp, "dp": p.layout.dp,
+        "status": p.status, "rank": p.rank, "reasons": p.reasons, "flags": p.flags,
+        "memory": asdict(p.memory) if p.memory else None,
+        "time": None if not op else {
+            "decode_step_batch1_ms": p.decode_batch1_s * 1e3, "prefill_ms": p.prefill_s * 1e3,
+            "kv_handoff_ms": p.kv_handoff_s * 1e3, "request_rate_per_replica": op.rate,
+            "concurrency": op.concurrency, "itl_ms": op.itl_s * 1e3, "ttft_ms": op.ttft_s * 1e3,
+            "queue_ms": op.queue_s * 1e3, "prefill_utilization": op.prefill_utilization,
+            "tokens_per_s_per_user": op.tokens_per_s_per_user,
+            "tokens_per_s_per_replica": op.tokens_per_s, "meets_slo": op.meets_slo,
+            "limit": op.limit},
+        "slo_capacity_rps": p.capacity_rps, "goodput_rps": p.goodput_rps,
+    }
+
+
+def to_dict(result: PlanResult) -> dict:
+    """JSON-ready: sizes in bytes, times in ms, rates in requests/s; infinities become null."""
+    c = result.config
+    counts = model_params(c.model)
+    inputs = {k: v for k, v in asdict(c).items() if k not in ("model", "gpu", "notes")}
+    best = result.recommended
+    return _finite({
+        "model": {**asdict(c.model), "params": counts.total, "active_params": counts.active(c.model),
+                  "kind": c.model.kind},
+        "gpu": asdict(c.gpu),
+        "inputs": inputs,
+        "units": {"bytes": "all *_bytes fields", "GB": GB, "GiB": GiB},
+        "layouts": [_layout_dict(p) for p in result.shown],
+        "recommended": best.layout.name if best else None,
+        "rule_of_thumb": {"rule": result.decision.rule,
+                          "layout": result.decision.layout.name if result.decision.layout else None},
+        "notes": c.notes,
+    })
+
+
+def write_plot(result: PlanResult, path: str) -> None:
+    """Memory breakdown per GPU (stacked, GiB) and ITL/TTFT per layout (ms, log scale)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    c = result.config
+    plans = [p for p in result.shown if p.memory]
+    names = [p.layout.name for p in plans]
+    fig, (ax_mem, ax_t) = plt.subplots(1, 2, figsize=(max(8, 1.6 * len(plans) + 4), 4.8))
+    weights = [p.memory.weights_per_gpu_bytes / GiB for p in plans]
+    reserve = [p.memory.reserve_per_gpu_bytes / GiB for p in plans]
+    kv = [max(0.0, p.memory.kv_available_per_gpu_bytes / GiB) for p in plans]
+    unused = [(p.memory.memory_per_gpu_bytes - p.memory.usable_per_gpu_bytes) / GiB for p in plans]
+    bottom = [0.0] * len(plans)
+    for label, values in (("weights", weights), ("runtime reserve", reserve), ("KV cache", kv),
+                          ("outside utilization", unused)):
+        ax_mem.bar(names, values, bottom=bottom, label=label)
+        bottom = [b + v for b, v in zip(bottom, values)]
+    ax_mem.axhline(c.gpu.memory_bytes / GiB, color="k", lw=0.8, ls="--", label="GPU memory")
+    ax_mem.set_ylabel("GiB per GPU (fullest rank)")
+    ax_mem.set_title(f"{c.model.name} on {c.gpu.name}: memory")
+    ax_mem.legend(fontsize=8)
+    timed = [p for p in plans if p.operating and math.isfinite(p.operating.ttft_s)]
+    xs = range(len(timed))
+    ax_t.bar([x - 0.2 for x in xs], [p.operating.itl_s * 1e3 for p in timed], 0.4, label="ITL")
+    ax_t.bar([x + 0.2 for x in xs], [p.operating.ttft_s * 1e3 for p in timed], 0.4, label="TTFT")
+    for slo, style in ((c.slo_itl_ms, ":"), (c.slo_ttft_ms, "--")):
+        if slo:
+            ax_t.axhline(slo, color="r", lw=0.8, ls=style)
+    ax_t.set_xticks(list(xs), [p.layout.name for p in timed])
+    ax_t.set_yscale("log")
+    ax_t.set_ylabel("ms (log scale); red lines: SLOs")
+    ax_t.set_title("latency at the operating point")
+    ax_t.legend(fontsize=8)
+    for ax in (ax_mem, ax_t):
+        ax.tick_params(axis="x", labelrotation=30, labelsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

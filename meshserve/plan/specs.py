@@ -1,0 +1,117 @@
+"""What the planner knows about a model and an accelerator: plain dataclasses, validated once."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .units import GB, MiB
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Transformer geometry. Field names follow Hugging Face `config.json` where one exists.
+
+    `num_params` is the published parameter count when known (authoritative for memory: the
+    geometry only apportions it between embeddings, layers and heads); `None` means count it
+    from the geometry (what a `config.json` gives).
+    """
+
+    name: str
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    max_context: int = 8192
+    num_params: float | None = None
+    hf_id: str = ""
+    # Mixture of experts: routed experts replace the dense MLP after `first_dense_layers`.
+    num_experts: int = 0
+    experts_per_token: int = 0
+    moe_intermediate_size: int = 0
+    num_shared_experts: int = 0
+    first_dense_layers: int = 0
+    # Multi-head latent attention (DeepSeek-V2/V3): one compressed latent per token and layer.
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0
+    qk_rope_head_dim: int = 0
+    qk_nope_head_dim: int = 0
+    v_head_dim: int = 0
+    notes: str = ""
+
+    def __post_init__(self) -> None:
+        for field in ("num_layers", "hidden_size", "num_attention_heads", "num_kv_heads",
+                      "head_dim", "vocab_size"):
+            if getattr(self, field) <= 0:
+                raise ValueError(f"model {self.name!r}: {field} must be > 0")
+        if self.num_attention_heads % self.num_kv_heads:
+            raise ValueError(f"model {self.name!r}: {self.num_attention_heads} attention heads "
+                             f"are not a multiple of {self.num_kv_heads} KV heads")
+        if self.num_experts and not 0 < self.experts_per_token <= self.num_experts:
+            raise ValueError(f"model {self.name!r}: experts_per_token must be in "
+                             f"1..{self.num_experts}")
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    @property
+    def kind(self) -> str:
+        return "+".join(k for k, on in (("MoE", self.is_moe), ("MLA", self.is_mla)) if on) or "dense"
+
+
+@dataclass(frozen=True)
+class GPUSpec:
+    """One accelerator and the links around it. Bandwidths and FLOP/s are decimal (bytes/s,
+    FLOP/s); capacity is `memory_bytes` (what `nvidia-smi` reports as total).
+
+    Link bandwidths are per GPU and per direction, which is what the ring all-reduce model's
+    beta means. `measured` marks constants from `meshserve plan --calibrate` (achievable, not peak).
+    """
+
+    name: str
+    memory_bytes: float
+    hbm_bandwidth: float
+    bf16_flops: float
+    fp8_flops: float | None
+    fp32_flops: float
+    intra_node_bandwidth: float
+    inter_node_bandwidth: float
+    intra_node_latency_s: float = 2e-6
+    inter_node_latency_s: float = 5e-6
+    gpus_per_node: int = 8
+    measured: bool = False
+    notes: str = ""
+
+    def __post_init__(self) -> None:
+        for field in ("memory_bytes", "hbm_bandwidth", "bf16_flops", "fp32_flops",
+                      "intra_node_bandwidth", "inter_node_bandwidth"):
+            if not getattr(self, field) > 0:
+                raise ValueError(f"GPU {self.name!r}: {field} must be > 0")
+
+    def peak_flops(self, weight_dtype: str) -> float:
+        """Dense matmul FLOP/s for the weight dtype. fp8 uses fp8 tensor cores where the GPU
+        has them (W8A8); int4 (and fp8 without fp8 units) is weight-only and computes in bf16."""
+        if weight_dtype == "fp32":
+            return self.fp32_flops
+        if weight_dtype == "fp8" and self.fp8_flops:
+            return self.fp8_flops
+        return self.bf16_flops
+
+    def ridge_point(self, weight_dtype: str = "bf16") -> float:
+        """FLOP per byte above which a kernel is compute-bound: peak FLOP/s / memory bandwidth."""
+        return self.peak_flops(weight_dtype) / self.hbm_bandwidth
+
+    def describe(self) -> str:
+        fp8 = f"{self.fp8_flops / 1e12:.0f}" if self.fp8_flops else "-"
+        return (f"{self.name}: {self.memory_bytes / MiB:.0f} MiB, HBM {self.hbm_bandwidth / GB:.0f} GB/s, "
+                f"BF16 {self.bf16_flops / 1e12:.1f} TFLOP/s, FP8 {fp8} TFLOP/s, links "
+                f"{self.intra_node_bandwidth / GB:.0f}/{self.inter_node_bandwidth / GB:.0f} GB/s "
+                f"intra/inter-node")

@@ -1,0 +1,157 @@
+"""Time per step from bytes over bandwidth, FLOPs over compute, and collectives over links.
+
+Decode step of one pipeline stage, per rank, batch b, c cached tokens per sequence, as two
+phases that run one after the other, each bounded by a roofline max(bytes / BW, FLOPs / FLOP/s):
+    linear layers: bytes = weights read (dense + head + routed experts touched)
+                   FLOPs = b x 2 x (active params + head params)
+    attention:     bytes = b x c x KV bytes per token
+                   FLOPs = b x c x 2 (qk_dim + v_dim) x heads per rank x layers
+    t = linear + attention + 2 x layers x all-reduce
+BW = HBM bandwidth x eff_bw, FLOP/s = peak x eff_compute. Within a phase memory and compute
+overlap; communication is not overlapped (conservative: engines hide part of it). With
+eff_bw = 1 every term is a lower bound, and so is the sum.
+Prefill of L tokens uses the same phases with L tokens and L(L+1)/2 causal query-key pairs.
+
+Tensor-parallel all-reduce of S bytes over N ranks (ring model, two per layer: after attention
+and after the MLP):  2(N-1) alpha + 2(N-1) S / (N beta).
+Pipeline parallelism: a token passes P stages; with P micro-batches in flight the step is paced
+by the slowest stage, so ITL = P x max stage time + (P-1) point-to-point sends. The idealised
+utilisation of M micro-batches over P equal stages is M / (M + P - 1).
+MoE routing: b tokens choosing k of E experts uniformly touch E(1 - (1 - k/E)^b) experts.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .memory import StageShard
+from .specs import GPUSpec, ModelSpec
+
+
+def ring_allreduce_time(nbytes: float, ranks: int, latency_s: float, bandwidth: float) -> float:
+    """2(N-1) alpha + 2(N-1) S / (N beta); zero for one rank."""
+    if ranks <= 1:
+        return 0.0
+    return 2 * (ranks - 1) * latency_s + 2 * (ranks - 1) * nbytes / (ranks * bandwidth)
+
+
+def p2p_time(nbytes: float, latency_s: float, bandwidth: float) -> float:
+    return latency_s + nbytes / bandwidth
+
+
+def pipeline_efficiency(microbatches: int, stages: int) -> float:
+    """Idealised pipeline utilisation M / (M + P - 1): 4 stages, 1 micro-batch -> 25%."""
+    return microbatches / (microbatches + stages - 1)
+
+
+def kv_handoff_time(nbytes: float, bandwidth: float, overhead_s: float = 0.0) -> float:
+    """Wire time of a KV cache from a prefill to a decode pool, plus fixed control overhead."""
+    return nbytes / bandwidth + overhead_s
+
+
+def decode_tokens_per_s_bound(weight_bytes_per_rank: float, hbm_bandwidth: float) -> float:
+    """Batch-1 decode ceiling: every token reads the rank's weights once; ranks read in parallel."""
+    return hbm_bandwidth / weight_bytes_per_rank
+
+
+def experts_touched_fraction(spec: ModelSpec, tokens: float) -> float:
+    if not spec.is_moe:
+        return 1.0
+    return 1.0 - (1.0 - spec.experts_per_token / spec.num_experts) ** max(tokens, 1.0)
+
+
+@dataclass(frozen=True)
+class Links:
+    allreduce_latency_s: float
+    allreduce_bandwidth: float
+    p2p_latency_s: float
+    p2p_bandwidth: float
+    tp_spans_nodes: bool
+    pp_spans_nodes: bool
+
+
+def links_for(gpu: GPUSpec, tp: int, pp: int, gpus_per_node: int) -> Links:
+    """A TP group uses NVLink/PCIe unless it cannot sit inside one node; stage-to-stage sends
+    cross the inter-node network as soon as a replica needs more than one node."""
+    tp_spans = tp > gpus_per_node or gpus_per_node % tp != 0
+    pp_spans = tp * pp > gpus_per_node
+    intra = (gpu.intra_node_latency_s, gpu.intra_node_bandwidth)
+    inter = (gpu.inter_node_latency_s, gpu.inter_node_bandwidth)
+    ar, p2p = (inter if tp_spans else intra), (inter if pp_spans else intra)
+    return Links(ar[0], ar[1], p2p[0], p2p[1], tp_spans, pp_spans)
+
+
+@dataclass(frozen=True)
+class PerfModel:
+    """Step times of one replica (TP x PP ranks) of a model on a GPU."""
+
+    spec: ModelSpec
+    gpu: GPUSpec
+    stages: tuple[StageShard, ...]
+    tp: int
+    weight_bytes: float
+    kv_bytes: float
+    act_bytes: float
+    flops: float            # achievable FLOP/s per rank
+    bandwidth: float        # achievable bytes/s per rank
+    links: Links
+
+    @property
+    def pp(self) -> int:
+        return len(self.stages)
+
+    def _attn_flops_per_ctx_token(self, stage: StageShard) -> float:
+        """QK^T and AV for one query against one cached token, this rank's heads and layers."""
+        s = self.spec
+        if s.is_mla:  # absorbed form: scores over the latent + rope dims, values over the latent
+            qk, v = s.kv_lora_rank + s.qk_rope_head_dim, s.kv_lora_rank
+        else:
+            qk = v = s.head_dim
+        return 2 * (qk + v) * (s.num_attention_heads / self.tp) * stage.num_layers
+
+    def _allreduces(self, stage: StageShard, tokens: float) -> float:
+        size = tokens * self.spec.hidden_size * self.act_bytes
+        per = ring_allreduce_time(size, self.tp, self.links.allreduce_latency_s,
+                                  self.links.allreduce_bandwidth)
+        return 2 * stage.num_layers * per
+
+    def _send(self, tokens: float) -> float:
+        if self.pp == 1:
+            return 0.0
+        size = tokens * self.spec.hidden_size * self.act_bytes
+        return (self.pp - 1) * p2p_time(size, self.links.p2p_latency_s, self.links.p2p_bandwidth)
+
+    def _phases(self, stage: StageShard, tokens: float, pairs: float, head_tokens: float,
+                kv_tokens: float) -> float:
+        """Linear-layer phase + attention phase, each a roofline, for `tokens` new tokens
+        attending over `pairs` query-key pairs, `kv_tokens` cache entries moved."""
+        touched = experts_touched_fraction(self.spec, tokens)
+        weight_bytes = (stage.dense_read + stage.head + stage.experts * touched) * self.weight_bytes
+        linear_flops = 2 * tokens * stage.active + 2 * head_tokens * stage.head
+        kv_bytes = kv_tokens * stage.kv_entries * self.kv_bytes
+        attn_flops = pairs * self._attn_flops_per_ctx_token(stage)
+        return (max(weight_bytes / self.bandwidth, linear_flops / self.flops)
+                + max(kv_bytes / self.bandwidth, attn_flops / self.flops))
+
+    def decode_stage_time(self, stage: StageShard, batch: float, context: float) -> float:
+        return (self._phases(stage, batch, batch * context, batch, batch * context)
+                + self._allreduces(stage, batch))
+
+    def decode_step_time(self, batch: float, context: float) -> float:
+        """Inter-token latency with `batch` sequences on the replica, split into PP micro-batches."""
+        micro = max(batch, 1.0) / self.pp
+        slowest = max(self.decode_stage_time(st, micro, context) for st in self.stages)
+        return self.pp * slowest + self._send(micro)
+
+    def prefill_stage_time(self, stage: StageShard, tokens: int) -> float:
+        # Logits only for the last token; the new cache is written once.
+        return (self._phases(stage, tokens, tokens * (tokens + 1) / 2, 1, tokens)
+                + self._allreduces(stage, tokens))
+
+    def prefill_time(self, tokens: int) -> float:
+        """Latency of one prompt through all stages (no chunk pipelining)."""
+        return sum(self.prefill_stage_time(st, tokens) for st in self.stages) + self._send(tokens)
+
+    def prefill_occupancy(self, tokens: int) -> float:
+        """Time the busiest stage spends on one prompt: what limits the prefill rate."""
+        return max(self.prefill_stage_time(st, tokens) for st in self.stages)
+

@@ -1,0 +1,202 @@
+"""Catalog, geometry, memory, validity, timing and ranking rules of the planner."""
+import json
+import math
+
+import pytest
+
+from meshserve.plan import GPUS, MODELS, PlanConfig, get_gpu, get_model, plan
+from meshserve.plan.goodput import Workload, operating_point, slo_capacity
+from meshserve.plan.memory import kv_bytes_per_token
+from meshserve.plan.params import count_params, model_params
+from meshserve.plan.planner import make_perf_model
+from meshserve.plan.timing import ring_allreduce_time
+from meshserve.plan.units import GiB
+
+REQUIRED_MODELS = ["Llama-3.1-8B", "Llama-3.1-70B", "Llama-3.1-405B", "Llama-3.3-70B", "Qwen2.5-7B",
+                   "Qwen2.5-72B", "Mistral-7B", "Mixtral-8x7B", "DeepSeek-V3", "SmolLM2-135M"]
+REQUIRED_GPUS = ["A100-40GB", "A100-80GB", "H100-SXM", "H100-PCIe", "H200", "L40S", "B200"]
+
+
+def layouts(model, gpu, n, **kw):
+    return {p.layout.name: p for p in plan(PlanConfig(get_model(model), get_gpu(gpu), num_gpus=n, **kw)).plans}
+
+
+def test_catalog_has_the_required_entries_and_geometry_matches_published_counts():
+    assert set(REQUIRED_MODELS) <= set(MODELS) and set(REQUIRED_GPUS) <= set(GPUS)
+    for spec in MODELS.values():
+        assert count_params(spec).total == pytest.approx(spec.num_params, rel=2e-3), spec.name
+    assert get_model("DeepSeek-V3").kind == "MoE+MLA"
+    assert get_model("Mixtral-8x7B").kind == "MoE"
+    mixtral = get_model("Mixtral-8x7B")
+    assert model_params(mixtral).active(mixtral) == pytest.approx(12.9e9, rel=0.01)
+    ds = get_model("DeepSeek-V3")
+    assert model_params(ds).active(ds) == pytest.approx(37e9, rel=0.02)
+
+
+def test_unknown_names_list_the_valid_ones():
+    with pytest.raises(ValueError, match="Qwen2.5-72B"):
+        get_model("GPT-5")
+    with pytest.raises(ValueError, match="H100-SXM.*this-machine"):
+        get_gpu("TPU-v9")
+
+
+def test_config_json_input_counts_parameters_from_geometry(tmp_path):
+    smol = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 576,
+            "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
+            "intermediate_size": 1536, "vocab_size": 49152, "tie_word_embeddings": True,
+            "max_position_embeddings": 8192}
+    (tmp_path / "config.json").write_text(json.dumps(smol))
+    spec = get_model(str(tmp_path))  # a directory holding config.json
+    assert spec.num_params is None
+    assert model_params(spec).total == 134_515_008  # SmolLM2-135M's exact count
+    ds = {"model_type": "deepseek_v3", "hidden_size": 7168, "num_hidden_layers": 61,
+          "num_attention_heads": 128, "num_key_value_heads": 128, "intermediate_size": 18432,
+          "vocab_size": 129280, "n_routed_experts": 256, "num_experts_per_tok": 8,
+          "moe_intermediate_size": 2048, "n_shared_experts": 1, "first_k_dense_replace": 3,
+          "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64,
+          "qk_nope_head_dim": 128, "v_head_dim": 128, "max_position_embeddings": 163840}
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(ds))
+    spec = get_model(str(path))
+    assert spec.kind == "MoE+MLA"
+    assert model_params(spec).total == pytest.approx(671e9, rel=1e-3)
+    with pytest.raises(ValueError, match="vocab_size"):
+        from meshserve.plan.catalog import model_from_hf_config
+        model_from_hf_config({k: v for k, v in smol.items() if k != "vocab_size"})
+
+
+def test_kv_heads_replicate_once_tp_exceeds_them():
+    plans = layouts("Llama-3.1-8B", "H100-SXM", 16, pipeline_parallel_size=1)
+    tp8, tp16 = plans["TP8 PP1 DP2"].memory, plans["TP16 PP1 DP1"].memory
+    assert tp16.kv_bytes_per_seq_per_gpu == tp8.kv_bytes_per_seq_per_gpu  # sharding stopped saving
+    assert tp16.kv_replication == 2 and tp8.kv_replication == 1
+    assert plans["TP4 PP1 DP4"].memory.kv_bytes_per_seq_per_gpu == 2 * tp8.kv_bytes_per_seq_per_gpu
+
+
+def test_mla_latent_cache_is_small_and_replicated():
+    ds = get_model("DeepSeek-V3")
+    assert kv_bytes_per_token(ds, "bf16") == 61 * (512 + 64) * 2
+    plans = layouts("DeepSeek-V3", "H200", 16, weight_dtype="fp8", pipeline_parallel_size=2)
+    assert plans["TP8 PP2 DP1"].valid
+    assert any("MLA latent cache replicated" in f for f in plans["TP8 PP2 DP1"].flags)
+
+
+def test_fractional_sharding_is_rejected():
+    qwen7 = layouts("Qwen2.5-7B", "H100-SXM", 8)                # 28 heads, 4 KV heads
+    assert "fractional sharding" in qwen7["TP8 PP1 DP1"].reasons[0]
+    assert qwen7["TP4 PP1 DP2"].valid
+    smol = layouts("SmolLM2-135M", "L40S", 6)                   # 9 heads, 3 KV heads
+    assert not smol["TP2 PP1 DP3"].valid and smol["TP3 PP1 DP2"].valid
+    assert not smol["TP6 PP1 DP1"].valid                        # 9 heads over 6 ranks
+
+
+def test_uneven_pipeline_split_is_flagged_and_fullest_stage_governs():
+    plans = layouts("Llama-3.1-405B", "B200", 16, weight_dtype="fp8")   # 126 layers
+    uneven = plans["TP4 PP4 DP1"]
+    assert any("uneven pipeline split: stages of 32 and 31" in f for f in uneven.flags)
+    even = plans["TP8 PP2 DP1"]
+    assert not any("uneven" in f for f in even.flags)
+    # Same 16-way weight split, but the 32-layer stage holds more than 1/16 of the layers.
+    assert uneven.memory.weights_per_gpu_bytes > even.memory.weights_per_gpu_bytes
+
+
+def test_tp_across_nodes_is_flagged_and_slower_than_pp_across_nodes():
+    plans = layouts("Llama-3.1-405B", "H100-SXM", 16)
+    cross = plans["TP16 PP1 DP1"]
+    assert any("spans nodes" in f for f in cross.flags)
+    assert cross.decode_batch1_s > plans["TP8 PP2 DP1"].decode_batch1_s
+
+
+def test_weights_that_do_not_fit_are_rejected_with_the_reason():
+    plans = layouts("Llama-3.1-70B", "H100-SXM", 1)
+    assert "weights do not fit" in plans["TP1 PP1 DP1"].reasons[0]
+    result = plan(PlanConfig(get_model("Llama-3.1-70B"), get_gpu("H100-SXM"), num_gpus=1))
+    assert result.recommended is None and result.decision.layout is None
+
+
+def test_ring_allreduce_model():
+    assert ring_allreduce_time(1e6, 1, 2e-6, 100e9) == 0
+    # 2(N-1)a + 2(N-1)S/(N b) = 12 us + 15 us
+    assert ring_allreduce_time(1e6, 4, 2e-6, 100e9) == pytest.approx(27e-6)
+
+
+def test_decode_is_memory_bound_and_tp_cuts_it():
+    spec, gpu = get_model("Llama-3.1-8B"), get_gpu("H100-SXM")
+    perf = {tp: make_perf_model(spec, gpu, tp, 1, weight_dtype="bf16", kv_dtype="bf16",
+                                gpus_per_node=8, compute_efficiency=0.7) for tp in (1, 2)}
+    t1 = perf[1].decode_step_time(1, 0)
+    # Weights over bandwidth; the untied input embedding is only gathered (batch rows), not read.
+    assert t1 == pytest.approx((8.03e9 - 128256 * 4096) * 2 / 3.35e12, rel=0.01)
+    assert perf[2].decode_step_time(1, 0) < t1 < 2 * perf[2].decode_step_time(1, 0)
+    # Batch 32 reads the same weights: far less than 32x the time of batch 1.
+    assert perf[1].decode_step_time(32, 1024) < 4 * perf[1].decode_step_time(1, 1024)
+    # Prefill is compute-bound: about 2 x params x tokens / achievable FLOP/s.
+    assert perf[1].prefill_time(4096) == pytest.approx(2 * 8.03e9 * 4096 / (989.4e12 * 0.7), rel=0.15)
+
+
+def test_moe_decode_reads_only_the_experts_a_batch_touches():
+    spec, gpu = get_model("Mixtral-8x7B"), get_gpu("H100-SXM")
+    perf = make_perf_model(spec, gpu, 2, 1, weight_dtype="bf16", kv_dtype="bf16",
+                           gpus_per_node=8, compute_efficiency=0.7)
+    dense_equivalent = 46.7e9 * 2 / 2 / 3.35e12
+    assert perf.decode_step_time(1, 0) < 0.4 * dense_equivalent     # 2 of 8 experts
+    assert perf.decode_step_time(64, 0) > 0.9 * dense_equivalent    # all experts touched
+
+
+def test_goodput_is_capped_by_slo_capacity_and_ranking_follows_it():
+    kw = dict(slo_ttft_ms=2000, slo_itl_ms=50, request_rate=3.0, weight_dtype="fp8")
+    result = plan(PlanConfig(get_model("Llama-3.3-70B"), get_gpu("H100-SXM"), num_gpus=8, **kw))
+    ranked = [p for p in result.plans if p.valid]
+    assert [p.rank for p in ranked] == list(range(1, len(ranked) + 1))
+    goodputs = [p.goodput_rps for p in ranked]
+    assert goodputs == sorted(goodputs, reverse=True)
+    for p in ranked:
+        assert p.goodput_rps == pytest.approx(min(3.0, p.capacity_rps))
+        op = p.operating
+        if op.meets_slo:
+            assert op.itl_s <= 0.050 and op.ttft_s <= 2.0
+    assert result.recommended is ranked[0]
+
+
+def test_operating_point_follows_littles_law_and_slo_capacity_is_where_the_slo_binds():
+    spec, gpu = get_model("Llama-3.1-8B"), get_gpu("H100-SXM")
+    perf = make_perf_model(spec, gpu, 1, 1, weight_dtype="bf16", kv_dtype="bf16", gpus_per_node=8,
+                           compute_efficiency=0.7)
+    work = Workload(1024, 256, slo_ttft_s=0.5, slo_itl_s=0.02)
+    op = operating_point(perf, 200, work, 5.0)
+    assert op.stable
+    assert op.concurrency == pytest.approx(5.0 * (op.ttft_s + 255 * op.itl_s), rel=1e-6)
+    cap = slo_capacity(perf, 200, work)
+    assert operating_point(perf, 200, work, cap * 0.99).meets_slo
+    assert not operating_point(perf, 200, work, cap * 1.02).meets_slo
+    looser = Workload(1024, 256, slo_ttft_s=1.0, slo_itl_s=0.04)
+    assert slo_capacity(perf, 200, looser) > cap
+    assert not operating_point(perf, 2, work, 50.0).stable          # KV cache full
+    assert math.isinf(operating_point(perf, 2, work, 50.0).ttft_s)
+
+
+@pytest.mark.parametrize("model,gpu,n,rule,layout", [
+    ("Llama-3.1-8B", "H100-SXM", 8, "1.", "TP1 PP1 DP8"),
+    ("Llama-3.1-70B", "H100-SXM", 8, "2.", "TP2 PP1 DP4"),
+    ("Llama-3.1-405B", "H100-SXM", 16, "3.", "TP8 PP2 DP1"),
+])
+def test_decision_tree(model, gpu, n, rule, layout):
+    decision = plan(PlanConfig(get_model(model), get_gpu(gpu), num_gpus=n)).decision
+    assert decision.rule.startswith(rule) and decision.layout.name == layout
+
+
+def test_inputs_are_validated():
+    spec, gpu = get_model("Llama-3.1-8B"), get_gpu("H100-SXM")
+    for kw, msg in [(dict(gpu_memory_utilization=1.5), "gpu-memory-utilization"),
+                    (dict(num_gpus=4, tensor_parallel_size=3), "must divide"),
+                    (dict(max_model_len=1024, prompt_len=1000, output_len=100), "exceeds"),
+                    (dict(request_rate=-1), "request-rate")]:
+        with pytest.raises(ValueError, match=msg):
+            plan(PlanConfig(spec, gpu, **kw))
+    noted = plan(PlanConfig(get_model("Llama-3-70B"), get_gpu("H200"), num_gpus=2, max_model_len=16384))
+    assert "exceeds the model's 8192 positions" in noted.config.notes[0]
+
+
+def test_gpu_memory_override_is_in_gib():
+    plans = layouts("Llama-3.1-8B", "H100-SXM", 1, gpu_memory_gib=40)
+    assert plans["TP1 PP1 DP1"].memory.memory_per_gpu_bytes == 40 * GiB
