@@ -6,6 +6,8 @@ import asyncio
 import json
 import random
 import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import httpx
 import openai
@@ -21,32 +23,43 @@ MAX_BODY = 256 * 1024
 MAX_TOKENS = 6
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
 PROMPT = "The capital of France is"
+MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
+MODEL = "SmolLM2-135M-Instruct"
+CONCURRENT_PROMPTS = [f"Question {i}: what comes after {i}?" for i in range(32)]
+
+
+@dataclass
+class Stack:
+    server: ServerProcess
+    prompt_tokens: int  # of PROMPT
+    expected: dict[str, str]  # greedy answers of LLM.generate / LLM.chat
 
 
 @pytest.fixture(scope="module")
 def stack():
-    """The server and an offline LLM with the same settings, loaded side by side."""
+    """The server, and the offline answers computed with the same settings while the server loads."""
     server = ServerProcess(["-m", "meshserve", "serve", "--max-model-len", str(MAX_MODEL_LEN),
                             "--kv-cache-memory", str(KV_BYTES), "--max-num-seqs", "32",
                             "--max-body-bytes", str(MAX_BODY), "--log-level", "warning"], wait=False)
     try:
         llm = LLM(max_model_len=MAX_MODEL_LEN, kv_cache_memory_bytes=KV_BYTES, max_num_seqs=32)
+        prompts = [PROMPT, *CONCURRENT_PROMPTS]
+        expected = {p: o.outputs[0].text for p, o in zip(prompts, llm.generate(prompts, GREEDY))}
+        expected["chat"] = llm.chat(MESSAGES, GREEDY)[0].outputs[0].text
+        prompt_tokens = len(llm.get_tokenizer().encode(PROMPT))
+        llm.engine.shutdown()
+        del llm
         server.wait_ready(300)
     except BaseException:
         server.stop()
         raise
-    yield server, llm
+    yield Stack(server, prompt_tokens, expected)
     assert server.stop() == 0, server.output()
 
 
 @pytest.fixture(scope="module")
 def server(stack):
-    return stack[0]
-
-
-@pytest.fixture(scope="module")
-def llm(stack):
-    return stack[1]
+    return stack.server
 
 
 @pytest.fixture(scope="module")
@@ -54,55 +67,52 @@ def client(server):
     return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
-def offline(llm, prompt: str) -> str:
-    return llm.generate([prompt], GREEDY)[0].outputs[0].text
+def together(*calls):
+    """Run the calls at once (the engine batches them) and return their results in order."""
+    with ThreadPoolExecutor(len(calls)) as pool:
+        return [f.result() for f in [pool.submit(c) for c in calls]]
 
 
-def test_openai_client_completions_match_offline(client, llm):
-    expected = offline(llm, PROMPT)
+def test_openai_client_completions_match_offline(client, stack):
     model = client.models.list().data[0]
-    assert model.id == "SmolLM2-135M-Instruct" and model.max_model_len == MAX_MODEL_LEN and model.revision
-    r = client.completions.create(model=model.id, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0)
-    assert r.choices[0].text == expected and r.choices[0].finish_reason == "length"
-    assert r.usage.completion_tokens == MAX_TOKENS and r.usage.prompt_tokens == len(llm.get_tokenizer().encode(PROMPT))
-    chunks = list(client.completions.create(model=model.id, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0,
-                                            stream=True, stream_options={"include_usage": True}))
-    assert "".join(c.choices[0].text for c in chunks if c.choices) == expected
+    assert model.id == MODEL and model.max_model_len == MAX_MODEL_LEN and model.revision
+    kwargs = dict(model=MODEL, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0)
+    r, chunks = together(lambda: client.completions.create(**kwargs),
+                         lambda: list(client.completions.create(**kwargs, stream=True,
+                                                                stream_options={"include_usage": True})))
+    assert r.choices[0].text == stack.expected[PROMPT] and r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == MAX_TOKENS and r.usage.prompt_tokens == stack.prompt_tokens
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == stack.expected[PROMPT]
     assert chunks[-1].usage.total_tokens == r.usage.total_tokens
 
 
-def test_openai_client_chat_matches_offline(client, llm):
-    messages = [{"role": "user", "content": "What is the capital of France?"}]
-    expected = llm.chat(messages, GREEDY)[0].outputs[0].text
-    r = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=messages, max_tokens=MAX_TOKENS,
-                                       temperature=0)
-    assert r.choices[0].message.content == expected and r.choices[0].message.role == "assistant"
-    stream = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=messages, max_tokens=MAX_TOKENS,
-                                            temperature=0, stream=True)
-    assert "".join(c.choices[0].delta.content or "" for c in stream) == expected
+def test_openai_client_chat_matches_offline(client, stack):
+    kwargs = dict(model=MODEL, messages=MESSAGES, max_tokens=MAX_TOKENS, temperature=0)
+    r, stream_text = together(
+        lambda: client.chat.completions.create(**kwargs),
+        lambda: "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(**kwargs, stream=True)))
+    assert r.choices[0].message.content == stack.expected["chat"] == stream_text
+    assert r.choices[0].message.role == "assistant"
     with pytest.raises(openai.NotFoundError):
-        client.chat.completions.create(model="no-such-model", messages=messages, max_tokens=2)
+        client.chat.completions.create(**{**kwargs, "model": "no-such-model"})
     with pytest.raises(openai.BadRequestError, match="context"):
-        client.completions.create(model="SmolLM2-135M-Instruct", prompt="word " * 400, max_tokens=2)
+        client.completions.create(model=MODEL, prompt="word " * 400, max_tokens=2)
 
 
-def test_32_concurrent_streams_each_get_their_own_answer(server, llm):
-    prompts = [f"Question {i}: what comes after {i}?" for i in range(32)]
-    expected = [o.outputs[0].text for o in llm.generate(prompts, GREEDY)]
-
+def test_32_concurrent_streams_each_get_their_own_answer(server, stack):
     async def one(client: openai.AsyncOpenAI, prompt: str) -> str:
-        stream = await client.completions.create(model="SmolLM2-135M-Instruct", prompt=prompt, max_tokens=MAX_TOKENS,
+        stream = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS,
                                                  temperature=0, stream=True)
         return "".join([c.choices[0].text async for c in stream])
 
     async def run() -> list[str]:
         client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
         try:
-            return await asyncio.gather(*(one(client, p) for p in prompts))
+            return await asyncio.gather(*(one(client, p) for p in CONCURRENT_PROMPTS))
         finally:
             await client.close()
 
-    assert asyncio.run(run()) == expected
+    assert asyncio.run(run()) == [stack.expected[p] for p in CONCURRENT_PROMPTS]
 
 
 def test_disconnected_clients_leave_kv_usage_at_idle(server):
@@ -133,7 +143,7 @@ def test_disconnected_clients_leave_kv_usage_at_idle(server):
 
 def _malformed_requests(rng: random.Random, count: int):
     """(method, path, body bytes) that are each wrong in one way chosen at random."""
-    base = {"model": "SmolLM2-135M-Instruct", "prompt": PROMPT, "max_tokens": 4, "temperature": 0}
+    base = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "temperature": 0}
     chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
     wrong_values = {
         "prompt": [5, {"a": 1}, [1.5], [["x"]], True, ""], "max_tokens": ["4", 4.5, -3, 0, 10**9, [4], True],
@@ -173,12 +183,7 @@ def _malformed_requests(rng: random.Random, count: int):
             yield "POST", "/detokenize", json.dumps({"tokens": rng.choice([[-1], [10**9], ["a"], [1.5], "x"])}).encode()
 
 
-def test_fuzz_never_breaks_the_server(server, client):
-    def greedy() -> str:
-        return client.completions.create(model="SmolLM2-135M-Instruct", prompt=PROMPT, max_tokens=MAX_TOKENS,
-                                         temperature=0).choices[0].text
-
-    before = greedy()
+def test_fuzz_never_breaks_the_server(server, client, stack):
     statuses = []
     with httpx.Client(base_url=server.url, timeout=60) as http:
         for method, path, body in _malformed_requests(random.Random(1234), 240):
@@ -189,4 +194,5 @@ def test_fuzz_never_breaks_the_server(server, client):
             assert error["message"] and error["type"] and "x-request-id" in r.headers
     assert len(statuses) == 240 and {400, 404, 405, 413} <= set(statuses)
     assert httpx.get(server.url + "/health").status_code == 200
-    assert greedy() == before
+    after = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0)
+    assert after.choices[0].text == stack.expected[PROMPT]  # what it answered before the fuzz
