@@ -1,0 +1,61 @@
+"""Sampler arithmetic on synthetic logits: filters, penalties and logprobs, exactly."""
+import torch
+
+from meshserve.layers.sampler import Sampler, _penalize
+from meshserve.sampling_params import SamplingParams
+
+LOGITS = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0]])
+
+
+def draw(params, logits=LOGITS, n=400, histories=None):
+    s = Sampler(seed=0)
+    counts = torch.zeros(logits.shape[1])
+    for i in range(n):
+        out = s(logits, [i], [params], [0], histories)
+        counts[out.token_ids[0]] += 1
+    return counts
+
+
+def test_top_k_top_p_min_p_restrict_the_support():
+    assert draw(SamplingParams(temperature=1.0, top_k=2))[2:].sum() == 0
+    # softmax of [4,3,2,1,0] = .636 .234 .086 .032 .012: top_p 0.8 keeps the first two
+    assert draw(SamplingParams(temperature=1.0, top_p=0.8))[2:].sum() == 0
+    assert draw(SamplingParams(temperature=1.0, top_p=0.9))[:3].sum() == 400
+    # min_p 0.1 keeps tokens with p >= 0.0636: the first three
+    c = draw(SamplingParams(temperature=1.0, min_p=0.1))
+    assert c[3:].sum() == 0 and c[2] > 0
+
+
+def test_sampling_follows_the_distribution():
+    c = draw(SamplingParams(temperature=1.0), n=2000)
+    p = torch.softmax(LOGITS[0], 0)
+    assert torch.allclose(c / 2000, p, atol=0.04)
+    hot = draw(SamplingParams(temperature=100.0), n=2000)
+    assert hot.min() > 300  # near uniform
+
+
+def test_penalties():
+    hist = [([4], [0, 0, 1])]  # prompt has token 4; output has token 0 twice and token 1 once
+    logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, -1.0]])
+
+    def penalized(**kw):
+        return _penalize(logits.clone(), [SamplingParams(**kw)], hist)[0].tolist()
+
+    assert penalized(presence_penalty=1.5) == [2.5, 1.5, 2.0, 1.0, -1.0]
+    assert penalized(frequency_penalty=0.5) == [3.0, 2.5, 2.0, 1.0, -1.0]
+    # repetition: seen positive logits divided, seen negative ones multiplied (prompt tokens count)
+    assert penalized(repetition_penalty=2.0) == [2.0, 1.5, 2.0, 1.0, -2.0]
+    s = Sampler()
+    close = torch.tensor([[3.5, 3.0, 2.0, 1.0, -1.0]])
+    assert s(close, [0], [SamplingParams(temperature=0)], [0], hist).token_ids == [0]
+    assert s(close, [0], [SamplingParams(temperature=0, presence_penalty=2.0)], [0], hist).token_ids == [2]
+
+
+def test_logprobs_are_raw_log_softmax_with_top_n():
+    s = Sampler()
+    out = s(LOGITS, [0], [SamplingParams(temperature=0, logprobs=2)], [0])
+    ref = torch.log_softmax(LOGITS[0], 0)
+    chosen, top = out.logprobs[0]
+    assert out.token_ids == [0] and abs(chosen - ref[0].item()) < 1e-6
+    assert [t for t, _ in top] == [0, 1] and abs(top[1][1] - ref[1].item()) < 1e-6
+    assert s(LOGITS, [0], [SamplingParams(temperature=0)], [0]).logprobs == [None]
