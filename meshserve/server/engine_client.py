@@ -63,10 +63,11 @@ class EngineInfo:
 
 
 class EngineClient:
-    def __init__(self, factories: Sequence[Callable[[], Any]], listener=None) -> None:
+    def __init__(self, factories: Sequence[Callable[[], Any]], listener=None, log_level: str = "info") -> None:
         """`factories`: one picklable callable per engine, building it inside the engine process.
         `listener`: gets on_tokens(state, now), on_finished(state, delta, now), on_aborted(n)."""
         self._factories = list(factories)
+        self._log_level = log_level
         self._engines: list[_EngineHandle] = []
         self._requests: dict[str, RequestState] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -83,7 +84,7 @@ class EngineClient:
         for rank, factory in enumerate(self._factories):
             in_r, in_w = ctx.Pipe(duplex=False)
             out_r, out_w = ctx.Pipe(duplex=False)
-            proc = ctx.Process(target=run_engine_core, args=(factory, in_r, out_w, rank, n),
+            proc = ctx.Process(target=run_engine_core, args=(factory, in_r, out_w, rank, n, self._log_level),
                                name=f"meshserve-engine-{rank}")
             proc.start()
             in_r.close()  # the child holds these ends now; closing ours lets EOF reach the other side

@@ -12,6 +12,7 @@ Engine -> front end: ("ready", info), ("step", timestamp, [RequestDelta], stats)
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import signal
 import time
@@ -169,11 +170,12 @@ def _limit_devices(dp_rank: int, dp_size: int) -> None:
 
 
 def run_engine_core(factory: Callable[[], Any], inbox: Connection, outbox: Connection,
-                    dp_rank: int = 0, dp_size: int = 1) -> None:
+                    dp_rank: int = 0, dp_size: int = 1, log_level: str = "info") -> None:
     """Entry point of the engine process (multiprocessing target)."""
     # The front end owns the lifecycle: on SIGTERM it drains first, then tells us to stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    logging.basicConfig(level=log_level.upper(), format=f"%(levelname)s engine {dp_rank}: %(message)s")
     engine = None
     try:
         _limit_devices(dp_rank, dp_size)

@@ -23,7 +23,7 @@ def run_server(engine_config: Any, config: ServerConfig,
     logging.basicConfig(level=config.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     if factories is None:
         factories = [functools.partial(build_llm_engine, engine_config)] * config.data_parallel_size
-    client = EngineClient(factories)
+    client = EngineClient(factories, log_level=config.log_level)
     metrics = ServerMetrics(client.stats)
     client.listener = metrics
     info = client.start()

@@ -7,7 +7,6 @@ engine's output, and that cancellation aborts the request in the engine.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 from typing import Any, AsyncIterator, Awaitable, TypeVar
 
@@ -73,13 +72,11 @@ async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T:
     watcher = asyncio.ensure_future(_wait_disconnect(request.receive))
     try:
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        if task.done():
-            return task.result()
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-        raise ClientDisconnected()
     finally:
         watcher.cancel()
-        if not task.done():  # we ourselves were cancelled
+        if not task.done():  # the client left (or we are cancelled ourselves)
             task.cancel()
+            await asyncio.wait({task})  # let its clean-up, the engine abort, run now
+    if task.cancelled():
+        raise ClientDisconnected()
+    return task.result()
