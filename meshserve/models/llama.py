@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshserve.distributed.parallel_state import get_parallel_state
+from meshserve.distributed.validation import resolve_pipeline_split
 from meshserve.layers.attention import AttentionMetadata, PagedAttention
 from meshserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from meshserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -59,11 +60,8 @@ class LlamaDecoderLayer(nn.Module):
 
 
 def stage_layers(num_layers: int, pp_size: int, pp_rank: int, split: list[int] | None = None) -> range:
-    """The contiguous layers of one pipeline stage; even split by default (earlier stages take the
-    remainder), or an explicit list of layer counts per stage."""
-    if split is None:
-        base, extra = divmod(num_layers, pp_size)
-        split = [base + (1 if r < extra else 0) for r in range(pp_size)]
+    """The contiguous layers of one pipeline stage (even split by default, see resolve_pipeline_split)."""
+    split = resolve_pipeline_split(num_layers, pp_size, split)
     start = sum(split[:pp_rank])
     return range(start, start + split[pp_rank])
 

@@ -51,6 +51,11 @@ class ModelSource:
     config: ModelConfig
 
     def load_tokenizer(self) -> Tokenizer:
+        if self.revision == "dummy" and not (self.path / "tokenizer.json").exists():
+            # A bare geometry (config.json only) for benchmarking: token-id prompts matter, text
+            # is cosmetic, so borrow the embedded model's tokenizer.
+            logger.warning("%s has no tokenizer.json; using the embedded default model's tokenizer", self.path)
+            return resolve_model("default").load_tokenizer()
         return Tokenizer.from_hf_dir(self.path)
 
     def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:

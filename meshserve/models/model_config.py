@@ -55,6 +55,10 @@ class ModelConfig:
     @classmethod
     def from_hf_config(cls, cfg: dict) -> "ModelConfig":
         arch = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
+        # Newer configs put rope_theta and the scaling into one "rope_parameters" dict.
+        rope = dict(cfg.get("rope_parameters") or {})
+        theta = cfg.get("rope_theta", rope.pop("rope_theta", 10000.0))
+        scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
         return cls(
             hidden_size=cfg["hidden_size"],
             num_hidden_layers=cfg["num_hidden_layers"],
@@ -64,8 +68,8 @@ class ModelConfig:
             vocab_size=cfg["vocab_size"],
             head_dim=cfg.get("head_dim"),
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
-            rope_scaling=cfg.get("rope_scaling"),
+            rope_theta=theta,
+            rope_scaling=scaling,
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             attention_bias=cfg.get("attention_bias", arch == "Qwen2ForCausalLM"),
