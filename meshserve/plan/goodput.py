@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .timing import PerfModel
+from .timing import PerfModel, pipeline_efficiency
 
 MAX_PREFILL_UTILIZATION = 0.9
 
@@ -41,6 +41,7 @@ class OperatingPoint:
     stable: bool
     meets_slo: bool
     limit: str                  # what binds: "", "prefill", "kv-memory", "ttft", "itl"
+    pipeline_utilization: float = 1.0   # M / (M + P - 1) of the decode step
 
     @property
     def tokens_per_s_per_user(self) -> float:
@@ -75,13 +76,15 @@ def operating_point(perf: PerfModel, max_concurrency: int, work: Workload,
         b = float(max(max_concurrency, 0))
         return OperatingPoint(rate, b, math.inf, itl(b), math.inf, rho, False, False, "kv-memory")
     lo, hi = 0.0, float(max_concurrency)
-    for _ in range(60):
+    while hi - lo > 1e-6 * hi:
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if excess(mid) > 0 else (lo, mid)
     b = hi
     step = itl(b)
+    micro = perf.decode_step(b, context)[1]
     limit = "ttft" if ttft > work.slo_ttft_s else "itl" if step > work.slo_itl_s else ""
-    return OperatingPoint(rate, b, ttft, step, queue, rho, True, not limit, limit)
+    return OperatingPoint(rate, b, ttft, step, queue, rho, True, not limit, limit,
+                          pipeline_efficiency(micro, perf.pp))
 
 
 def slo_capacity(perf: PerfModel, max_concurrency: int, work: Workload) -> float:
@@ -89,7 +92,7 @@ def slo_capacity(perf: PerfModel, max_concurrency: int, work: Workload) -> float
     if not operating_point(perf, max_concurrency, work, 0.0).meets_slo:
         return 0.0
     lo, hi = 0.0, MAX_PREFILL_UTILIZATION / perf.prefill_occupancy(work.prompt_len)
-    for _ in range(50):
+    while hi - lo > 1e-6 * hi:
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if operating_point(perf, max_concurrency, work, mid).meets_slo else (lo, mid)
     return lo

@@ -27,6 +27,23 @@ class Layout:
     def name(self) -> str:
         return f"TP{self.tp} PP{self.pp} DP{self.dp}"
 
+    @property
+    def num_gpus(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    def tp_spans_nodes(self, gpus_per_node: int) -> bool:
+        return crosses_nodes(self.tp, self.num_gpus, gpus_per_node)
+
+    def replica_spans_nodes(self, gpus_per_node: int) -> bool:
+        return crosses_nodes(self.gpus_per_replica, self.num_gpus, gpus_per_node)
+
+
+def crosses_nodes(group: int, total: int, gpus_per_node: int) -> bool:
+    """Whether some group of `group` consecutive ranks (of `total`, packed node by node) has its
+    first and last rank on different nodes."""
+    return any(i * group // gpus_per_node != ((i + 1) * group - 1) // gpus_per_node
+               for i in range(total // group))
+
 
 def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
@@ -66,10 +83,10 @@ def structural_check(spec: ModelSpec, layout: Layout, gpus_per_node: int) -> tup
         base = spec.num_layers // pp
         flags.append(f"uneven pipeline split: stages of {base + 1} and {base} layers "
                      f"(the fullest stage governs)")
-    if tp > gpus_per_node or gpus_per_node % tp:
+    if layout.tp_spans_nodes(gpus_per_node):
         flags.append(f"TP={tp} spans nodes of {gpus_per_node} GPUs: all-reduce over the "
                      f"inter-node network")
-    elif layout.gpus_per_replica > gpus_per_node:
+    elif layout.replica_spans_nodes(gpus_per_node):
         flags.append(f"replica spans {-(-layout.gpus_per_replica // gpus_per_node)} nodes: "
                      f"pipeline sends over the inter-node network")
     return errors, flags

@@ -152,13 +152,15 @@ class PlanResult:
 
 def make_perf_model(spec: ModelSpec, gpu: GPUSpec, tp: int, pp: int, *, weight_dtype: str,
                     kv_dtype: str, gpus_per_node: int, compute_efficiency: float,
-                    bandwidth_efficiency: float = 1.0) -> PerfModel:
+                    bandwidth_efficiency: float = 1.0, dp: int = 1) -> PerfModel:
+    layout = Layout(tp, pp, dp)
     return PerfModel(spec=spec, gpu=gpu, stages=tuple(shard_stages(spec, model_params(spec), tp, pp)),
                      tp=tp, weight_bytes=dtype_bytes(weight_dtype), kv_bytes=dtype_bytes(kv_dtype),
                      act_bytes=activation_bytes(weight_dtype),
                      flops=gpu.peak_flops(weight_dtype) * compute_efficiency,
                      bandwidth=gpu.hbm_bandwidth * bandwidth_efficiency,
-                     links=links_for(gpu, tp, pp, gpus_per_node))
+                     links=links_for(gpu, layout.tp_spans_nodes(gpus_per_node),
+                                     layout.replica_spans_nodes(gpus_per_node)))
 
 
 def evaluate(cfg: PlanConfig, layout: Layout) -> LayoutPlan:
@@ -185,7 +187,7 @@ def evaluate(cfg: PlanConfig, layout: Layout) -> LayoutPlan:
     perf = make_perf_model(spec, gpu, layout.tp, layout.pp, weight_dtype=cfg.weight_dtype,
                            kv_dtype=cfg.kv_cache_dtype, gpus_per_node=cfg.gpus_per_node,
                            compute_efficiency=cfg.compute_efficiency,
-                           bandwidth_efficiency=cfg.bandwidth_efficiency)
+                           bandwidth_efficiency=cfg.bandwidth_efficiency, dp=layout.dp)
     work = cfg.workload
     plan.decode_batch1_s = perf.decode_step_time(1, work.prompt_len + work.output_len / 2)
     plan.prefill_s = perf.prefill_time(work.prompt_len)

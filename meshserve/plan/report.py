@@ -65,7 +65,9 @@ def format_report(result: PlanResult) -> str:
                          _num(m and m.max_seqs, "{:,}"), _num(m and m.max_kv_tokens, "{:,}")])
         if op:
             time_rows.append([p.layout.name, rank, _ms(p.decode_batch1_s), _ms(p.prefill_s),
-                              _num(op.concurrency, "{:,.1f}"), _ms(op.itl_s), _ms(op.ttft_s),
+                              _num(op.concurrency, "{:,.1f}"),
+                              _num(op.pipeline_utilization * 100, "{:.0f}%"), _ms(op.itl_s),
+                              _ms(op.ttft_s),
                               _num(op.tokens_per_s_per_user, "{:,.1f}"),
                               _num(op.tokens_per_s, "{:,.0f}"), _ms(p.kv_handoff_s),
                               _num(p.capacity_rps, "{:,.3f}"), _num(p.goodput_rps, "{:,.3f}"),
@@ -75,7 +77,8 @@ def format_report(result: PlanResult) -> str:
                        "KV tokens"], mem_rows))
     if time_rows:
         out += ["", "Time per replica at the operating point (the request rate, else the SLO capacity)"]
-        out.append(_table(["layout", "rank", "ITL b=1 ms", "prefill ms", "seqs", "ITL ms", "TTFT ms",
+        out.append(_table(["layout", "rank", "ITL b=1 ms", "prefill ms", "seqs", "PP util",
+                           "ITL ms", "TTFT ms",
                            "tok/s/user", "tok/s/replica", "KV hand-off ms", "SLO cap req/s",
                            "goodput req/s", "limit"], time_rows))
     notes = [f"  {p.layout.name}: {why}" for p in shown for why in p.reasons + p.flags]
@@ -110,7 +113,8 @@ def _layout_dict(p: LayoutPlan) -> dict:
         "time": None if not op else {
             "decode_step_batch1_ms": p.decode_batch1_s * 1e3, "prefill_ms": p.prefill_s * 1e3,
             "kv_handoff_ms": p.kv_handoff_s * 1e3, "request_rate_per_replica": op.rate,
-            "concurrency": op.concurrency, "itl_ms": op.itl_s * 1e3, "ttft_ms": op.ttft_s * 1e3,
+            "concurrency": op.concurrency, "pipeline_utilization": op.pipeline_utilization,
+            "itl_ms": op.itl_s * 1e3, "ttft_ms": op.ttft_s * 1e3,
             "queue_ms": op.queue_s * 1e3, "prefill_utilization": op.prefill_utilization,
             "tokens_per_s_per_user": op.tokens_per_s_per_user,
             "tokens_per_s_per_replica": op.tokens_per_s, "meets_slo": op.meets_slo,

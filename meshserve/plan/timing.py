@@ -14,14 +14,20 @@ Prefill of L tokens uses the same phases with L tokens and L(L+1)/2 causal query
 
 Tensor-parallel all-reduce of S bytes over N ranks (ring model, two per layer: after attention
 and after the MLP):  2(N-1) alpha + 2(N-1) S / (N beta).
-Pipeline parallelism: a token passes P stages; with P micro-batches in flight the step is paced
-by the slowest stage, so ITL = P x max stage time + (P-1) point-to-point sends. The idealised
-utilisation of M micro-batches over P equal stages is M / (M + P - 1).
+Pipeline parallelism: a decode step splits its batch into M micro-batches of B/M that fill and
+drain the P stages: the first crosses every stage, each later one follows a slowest stage
+behind, so the step takes sum(stage times) + (M - 1) x slowest (+ sends), which is
+(M + P - 1) x t for equal stages. The step uses the M in 1..min(B, P) that is fastest, and
+the stages are busy M / (M + P - 1) of it. Memory-bound steps pick M = 1 (splitting re-reads the weights); compute-bound ones split.
+Engines that overlap successive steps (vLLM's virtual engines) can do better at large batches.
 MoE routing: b tokens choosing k of E experts uniformly touch E(1 - (1 - k/E)^b) experts.
 """
 from __future__ import annotations
 
+import math
+from collections import Counter
 from dataclasses import dataclass
+from functools import cached_property
 
 from .memory import StageShard
 from .specs import GPUSpec, ModelSpec
@@ -69,15 +75,12 @@ class Links:
     pp_spans_nodes: bool
 
 
-def links_for(gpu: GPUSpec, tp: int, pp: int, gpus_per_node: int) -> Links:
-    """A TP group uses NVLink/PCIe unless it cannot sit inside one node; stage-to-stage sends
-    cross the inter-node network as soon as a replica needs more than one node."""
-    tp_spans = tp > gpus_per_node or gpus_per_node % tp != 0
-    pp_spans = tp * pp > gpus_per_node
+def links_for(gpu: GPUSpec, tp_spans_nodes: bool, pp_spans_nodes: bool) -> Links:
+    """NVLink/PCIe inside a node, the inter-node network for a group that crosses nodes."""
     intra = (gpu.intra_node_latency_s, gpu.intra_node_bandwidth)
     inter = (gpu.inter_node_latency_s, gpu.inter_node_bandwidth)
-    ar, p2p = (inter if tp_spans else intra), (inter if pp_spans else intra)
-    return Links(ar[0], ar[1], p2p[0], p2p[1], tp_spans, pp_spans)
+    ar, p2p = (inter if tp_spans_nodes else intra), (inter if pp_spans_nodes else intra)
+    return Links(ar[0], ar[1], p2p[0], p2p[1], tp_spans_nodes, pp_spans_nodes)
 
 
 @dataclass(frozen=True)
@@ -99,6 +102,16 @@ class PerfModel:
     def pp(self) -> int:
         return len(self.stages)
 
+    @cached_property
+    def distinct_stages(self) -> tuple[tuple[StageShard, int], ...]:
+        """Each different stage once, with how many stages are like it (most are identical)."""
+        return tuple(Counter(self.stages).items())
+
+    def _stage_times(self, fn, *args) -> tuple[float, float]:
+        """(sum, max) over the stages of fn(stage, *args)."""
+        times = [(fn(stage, *args), n) for stage, n in self.distinct_stages]
+        return sum(t * n for t, n in times), max(t for t, _ in times)
+
     def _attn_flops_per_ctx_token(self, stage: StageShard) -> float:
         """QK^T and AV for one query against one cached token, this rank's heads and layers."""
         s = self.spec
@@ -115,10 +128,9 @@ class PerfModel:
         return 2 * stage.num_layers * per
 
     def _send(self, tokens: float) -> float:
-        if self.pp == 1:
-            return 0.0
+        """One stage-to-stage send of `tokens` activations."""
         size = tokens * self.spec.hidden_size * self.act_bytes
-        return (self.pp - 1) * p2p_time(size, self.links.p2p_latency_s, self.links.p2p_bandwidth)
+        return p2p_time(size, self.links.p2p_latency_s, self.links.p2p_bandwidth)
 
     def _phases(self, stage: StageShard, tokens: float, pairs: float, head_tokens: float,
                 kv_tokens: float) -> float:
@@ -136,11 +148,22 @@ class PerfModel:
         return (self._phases(stage, batch, batch * context, batch, batch * context)
                 + self._allreduces(stage, batch))
 
+    def decode_step(self, batch: float, context: float) -> tuple[float, int]:
+        """(inter-token latency, micro-batches) with `batch` sequences on the replica."""
+        batch = max(batch, 1.0)
+        if self.pp == 1:
+            return self.decode_stage_time(self.stages[0], batch, context), 1
+        options = []
+        for m in range(1, min(self.pp, math.ceil(batch)) + 1):
+            micro = batch / m
+            total, slowest = self._stage_times(self.decode_stage_time, micro, context)
+            send = self._send(micro)
+            makespan = total + (self.pp - 1) * send + (m - 1) * (slowest + send)
+            options.append((makespan, m))
+        return min(options)
+
     def decode_step_time(self, batch: float, context: float) -> float:
-        """Inter-token latency with `batch` sequences on the replica, split into PP micro-batches."""
-        micro = max(batch, 1.0) / self.pp
-        slowest = max(self.decode_stage_time(st, micro, context) for st in self.stages)
-        return self.pp * slowest + self._send(micro)
+        return self.decode_step(batch, context)[0]
 
     def prefill_stage_time(self, stage: StageShard, tokens: int) -> float:
         # Logits only for the last token; the new cache is written once.
@@ -148,10 +171,10 @@ class PerfModel:
                 + self._allreduces(stage, tokens))
 
     def prefill_time(self, tokens: int) -> float:
-        """Latency of one prompt through all stages (no chunk pipelining)."""
-        return sum(self.prefill_stage_time(st, tokens) for st in self.stages) + self._send(tokens)
+        """Latency of one prompt: one micro-batch through all stages, (1 + P - 1) stage times."""
+        return self._stage_times(self.prefill_stage_time, tokens)[0] + (self.pp - 1) * self._send(tokens)
 
     def prefill_occupancy(self, tokens: int) -> float:
         """Time the busiest stage spends on one prompt: what limits the prefill rate."""
-        return max(self.prefill_stage_time(st, tokens) for st in self.stages)
+        return self._stage_times(self.prefill_stage_time, tokens)[1]
 

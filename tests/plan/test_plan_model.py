@@ -107,6 +107,13 @@ def test_tp_across_nodes_is_flagged_and_slower_than_pp_across_nodes():
     assert cross.decode_batch1_s > plans["TP8 PP2 DP1"].decode_batch1_s
 
 
+def test_a_tp_group_straddling_a_node_boundary_is_flagged():
+    assert not layouts("Qwen2.5-7B", "H100-SXM", 12, gpus_per_node=8)["TP4 PP1 DP3"].flags
+    straddles = layouts("SmolLM2-135M", "H100-SXM", 12, gpus_per_node=8)["TP3 PP1 DP4"]
+    assert any("TP=3 spans nodes" in f for f in straddles.flags)   # ranks 6-8 cross a node
+    assert not layouts("SmolLM2-135M", "H100-SXM", 6)["TP3 PP1 DP2"].flags
+
+
 def test_weights_that_do_not_fit_are_rejected_with_the_reason():
     plans = layouts("Llama-3.1-70B", "H100-SXM", 1)
     assert "weights do not fit" in plans["TP1 PP1 DP1"].reasons[0]
@@ -132,6 +139,20 @@ def test_decode_is_memory_bound_and_tp_cuts_it():
     assert perf[1].decode_step_time(32, 1024) < 4 * perf[1].decode_step_time(1, 1024)
     # Prefill is compute-bound: about 2 x params x tokens / achievable FLOP/s.
     assert perf[1].prefill_time(4096) == pytest.approx(2 * 8.03e9 * 4096 / (989.4e12 * 0.7), rel=0.15)
+
+
+def test_pipeline_decode_fills_and_drains():
+    spec, gpu = get_model("Llama-3.1-70B"), get_gpu("H100-SXM")
+    kw = dict(weight_dtype="bf16", kv_dtype="bf16", gpus_per_node=8, compute_efficiency=0.7)
+    pp1, pp4 = make_perf_model(spec, gpu, 1, 1, **kw), make_perf_model(spec, gpu, 1, 4, **kw)
+    # Batch 1 is memory-bound: one micro-batch, 4 stages in turn - no faster than one GPU.
+    t, m = pp4.decode_step(1, 0)
+    assert m == 1 and t == pytest.approx(pp1.decode_step_time(1, 0), rel=0.02)
+    # A compute-bound batch is split; the step pays the bubble: about (M + P - 1) stage times.
+    t, m = pp4.decode_step(2048, 0)
+    stage = max(pp4.decode_stage_time(st, 2048 / m, 0) for st in pp4.stages)
+    assert m > 1 and t == pytest.approx((m + 3) * stage, rel=0.05)
+    assert t < sum(pp4.decode_stage_time(st, 2048, 0) for st in pp4.stages)   # beats M = 1
 
 
 def test_moe_decode_reads_only_the_experts_a_batch_touches():

@@ -1,0 +1,102 @@
+"""`meshserve plan` end to end through meshserve.cli.main."""
+import json
+
+import pytest
+
+from meshserve.cli import main
+
+QWEN = ["plan", "--model", "Qwen2.5-72B", "--gpu", "A100-80GB", "--gpu-memory-gib", "80",
+        "--num-gpus", "4", "--runtime-reserve-gib", "8", "--max-model-len", "8192"]
+
+
+def run_json(capsys, argv):
+    assert main(argv + ["--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_table_labels_gb_and_gib_and_recommends(capsys):
+    assert main(QWEN + ["--slo-ttft-ms", "3000", "--slo-itl-ms", "80", "--request-rate", "0.2"]) == 0
+    out = capsys.readouterr().out
+    assert "145.40 GB = 135.41 GiB" in out
+    assert "2.500 GiB = 2.684 GB per 8,192-token sequence" in out
+    assert "weights do not fit" in out
+    assert "Recommended: TP4 PP1 DP1" in out
+    assert "Rule of thumb:" in out
+
+
+def test_json_pinned_layout(capsys):
+    doc = run_json(capsys, QWEN + ["--tensor-parallel-size", "4", "--pipeline-parallel-size", "1"])
+    (layout,) = doc["layouts"]
+    assert layout["name"] == "TP4 PP1 DP1" and layout["status"] == "ok"
+    mem = layout["memory"]
+    assert round(mem["weights_per_gpu_bytes"] / 2**30, 2) == 33.85
+    assert round(mem["kv_available_per_gpu_bytes"] / 2**30, 2) == 30.15
+    assert mem["max_seqs"] == 48
+    assert layout["time"]["itl_ms"] > layout["time"]["decode_step_batch1_ms"] > 0
+    assert doc["recommended"] == "TP4 PP1 DP1"
+    assert doc["gpu"]["memory_bytes"] == 80 * 2**30
+    assert doc["model"]["params"] == pytest.approx(72.7e9)
+
+
+def test_config_json_model_and_token_mix(capsys, tmp_path):
+    cfg = {"hidden_size": 576, "num_hidden_layers": 30, "num_attention_heads": 9,
+           "num_key_value_heads": 3, "intermediate_size": 1536, "vocab_size": 49152,
+           "tie_word_embeddings": True, "max_position_embeddings": 8192}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    doc = run_json(capsys, ["plan", "--model", str(path), "--gpu", "L40S", "--num-gpus", "3",
+                            "--prompt-len", "512", "--output-len", "128"])
+    assert doc["model"]["params"] == 134_515_008
+    assert doc["inputs"]["prompt_len"] == 512 and doc["inputs"]["output_len"] == 128
+    names = {l["name"]: l for l in doc["layouts"]}
+    assert names["TP3 PP1 DP1"]["status"] == "ok"     # 9 heads, 3 KV heads
+    assert names["TP1 PP1 DP3"]["rank"] == 1          # a 135M model: one replica per GPU wins
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--model", "NoSuchModel", "--gpu", "H100-SXM"], "Llama-3.1-8B"),
+    (["--model", "Llama-3.1-8B", "--gpu", "Z80"], "A100-40GB"),
+    (["--model", "Llama-3.1-8B"], "--gpu is required"),
+    (["--model", "Llama-3.1-8B", "--gpu", "H100-SXM", "--num-gpus", "4",
+      "--tensor-parallel-size", "3"], "must divide --num-gpus 4"),
+    (["--model", "Llama-3.1-8B", "--gpu", "this-machine", "--calibration-file", "/nonexistent/c.json"],
+     "meshserve plan --calibrate"),
+])
+def test_bad_input_names_the_valid_values(capsys, argv, message):
+    assert main(["plan", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_nothing_fits_exits_1(capsys):
+    assert main(["plan", "--model", "Llama-3.1-405B", "--gpu", "L40S", "--num-gpus", "2"]) == 1
+    assert "Recommended: none" in capsys.readouterr().out
+
+
+def test_lists(capsys):
+    assert main(["plan", "--list-models"]) == 0
+    out = capsys.readouterr().out
+    assert "DeepSeek-V3" in out and "MoE+MLA" in out
+    assert main(["plan", "--list-gpus"]) == 0
+    assert "this-machine" in capsys.readouterr().out
+
+
+def test_plot_writes_png(capsys, tmp_path):
+    png = tmp_path / "plan.png"
+    assert main(["plan", "--model", "Llama-3.1-70B", "--gpu", "H100-SXM", "--num-gpus", "8",
+                 "--slo-itl-ms", "60", "--plot", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+def test_calibrate_caches_and_this_machine_reuses_it(capsys, tmp_path):
+    cache = tmp_path / "calibration.json"
+    doc = run_json(capsys, ["plan", "--calibrate", "--calibration-file", str(cache),
+                            "--model", "SmolLM2-135M", "--weight-dtype", "fp32"])
+    saved = json.loads(cache.read_text())
+    assert saved["matmul_flops"] > 0 and saved["memory_bandwidth"] > 0
+    assert saved["allreduce_latency_s"] > 0 and saved["allreduce_bandwidth"] > 0
+    assert doc["gpu"]["name"] == "this-machine" and doc["gpu"]["measured"]
+    assert doc["gpu"]["hbm_bandwidth"] == saved["memory_bandwidth"]
+    assert doc["inputs"]["compute_efficiency"] == 1.0     # measured rates are achievable rates
+    again = run_json(capsys, ["plan", "--gpu", "this-machine", "--calibration-file", str(cache),
+                              "--model", "SmolLM2-135M", "--weight-dtype", "fp32"])
+    assert again["gpu"] == doc["gpu"]
