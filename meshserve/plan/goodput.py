@@ -62,6 +62,9 @@ def operating_point(perf: PerfModel, max_concurrency: int, work: Workload,
     def itl(b: float) -> float:
         return perf.decode_step_time(max(b, 1.0), context) / (1.0 - rho)
 
+    def pipe(b: float) -> float:  # busy fraction of the stages during a decode step
+        return pipeline_efficiency(perf.decode_step(b, context)[1], perf.pp)
+
     if rho >= MAX_PREFILL_UTILIZATION:
         return OperatingPoint(rate, math.inf, math.inf, math.inf, math.inf, rho, False, False,
                               "prefill")
@@ -74,17 +77,16 @@ def operating_point(perf: PerfModel, max_concurrency: int, work: Workload,
     if max_concurrency < 1 or excess(max_concurrency) > 0:
         # The KV cache is full: admissions queue without bound while the full batch decodes.
         b = float(max(max_concurrency, 0))
-        return OperatingPoint(rate, b, math.inf, itl(b), math.inf, rho, False, False, "kv-memory")
+        return OperatingPoint(rate, b, math.inf, itl(b), math.inf, rho, False, False, "kv-memory",
+                              pipe(b))
     lo, hi = 0.0, float(max_concurrency)
     while hi - lo > 1e-6 * hi:
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if excess(mid) > 0 else (lo, mid)
     b = hi
     step = itl(b)
-    micro = perf.decode_step(b, context)[1]
     limit = "ttft" if ttft > work.slo_ttft_s else "itl" if step > work.slo_itl_s else ""
-    return OperatingPoint(rate, b, ttft, step, queue, rho, True, not limit, limit,
-                          pipeline_efficiency(micro, perf.pp))
+    return OperatingPoint(rate, b, ttft, step, queue, rho, True, not limit, limit, pipe(b))
 
 
 def slo_capacity(perf: PerfModel, max_concurrency: int, work: Workload) -> float:

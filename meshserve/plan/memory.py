@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from .params import ParamCounts
 from .specs import ModelSpec
@@ -122,32 +123,41 @@ class MemoryEstimate:
         return self.max_kv_tokens // max(1, tokens_per_seq)
 
 
+class _StageRoom(NamedTuple):
+    weights: float
+    available: float      # KV bytes free on the rank
+    per_token: float      # KV bytes per token on the rank
+    tokens: int
+    seqs: int
+
+
 def estimate_memory(spec: ModelSpec, counts: ParamCounts, tp: int, pp: int, *, weight_dtype: str,
                     kv_dtype: str, memory_bytes: float, utilization: float, reserve_bytes: float,
                     max_model_len: int) -> MemoryEstimate:
     wbytes, kvbytes = dtype_bytes(weight_dtype), dtype_bytes(kv_dtype)
     usable = memory_bytes * utilization
-    stages = []
+    rooms = []
     for shard in shard_stages(spec, counts, tp, pp):
         weights = shard.stored * wbytes
         available = usable - weights - reserve_bytes
         per_token = shard.kv_entries * kvbytes
-        tokens = max(0, math.floor(available / per_token)) if available > 0 else 0
-        seqs = max(0, math.floor(available / (per_token * max_model_len))) if available > 0 else 0
-        stages.append((weights, available, per_token, tokens, seqs))
+        free = max(available, 0.0)
+        rooms.append(_StageRoom(weights, available, per_token, math.floor(free / per_token),
+                                math.floor(free / (per_token * max_model_len))))
+    logical_per_token = kv_bytes_per_token(spec, kv_dtype)
     # The fullest rank (least KV room) sets the replica's limits.
     return MemoryEstimate(
         weights_total_bytes=counts.total * wbytes,
-        weights_per_gpu_bytes=max(st[0] for st in stages),
-        kv_bytes_per_token=kv_bytes_per_token(spec, kv_dtype),
-        kv_bytes_per_seq=kv_bytes_per_token(spec, kv_dtype) * max_model_len,
-        kv_bytes_per_seq_per_gpu=max(st[2] for st in stages) * max_model_len,
+        weights_per_gpu_bytes=max(r.weights for r in rooms),
+        kv_bytes_per_token=logical_per_token,
+        kv_bytes_per_seq=logical_per_token * max_model_len,
+        kv_bytes_per_seq_per_gpu=max(r.per_token for r in rooms) * max_model_len,
         kv_replication=kv_replication(spec, tp),
         memory_per_gpu_bytes=memory_bytes,
         usable_per_gpu_bytes=usable,
         reserve_per_gpu_bytes=reserve_bytes,
-        kv_available_per_gpu_bytes=min(st[1] for st in stages),
-        max_kv_tokens=min(st[3] for st in stages),
-        max_seqs=min(st[4] for st in stages),
+        kv_available_per_gpu_bytes=min(r.available for r in rooms),
+        max_kv_tokens=min(r.tokens for r in rooms),
+        max_seqs=min(r.seqs for r in rooms),
         max_model_len=max_model_len,
     )

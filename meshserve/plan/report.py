@@ -21,6 +21,14 @@ def _num(x: float | None, fmt: str = "{:,.2f}") -> str:
     return "inf" if math.isinf(x) else fmt.format(x)
 
 
+def _count(n: float) -> str:
+    return f"{n / 1e9:,.2f}B" if n >= 1e9 else f"{n / 1e6:,.1f}M"
+
+
+def _flops(f: float) -> str:
+    return f"{f / 1e12:,.1f} TFLOP/s" if f >= 1e12 else f"{f / 1e9:,.1f} GFLOP/s"
+
+
 def _table(headers: list[str], rows: list[list[str]]) -> str:
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
     line = lambda cells: "  ".join(c.rjust(w) if i else c.ljust(w)
@@ -33,17 +41,17 @@ def header(result: PlanResult) -> list[str]:
     counts = model_params(m)
     wb = counts.total * dtype_bytes(c.weight_dtype)
     kv_tok = next((p.memory.kv_bytes_per_token for p in result.plans if p.memory), 0.0)
-    active = f", {counts.active(m) / 1e9:.1f}e9 active" if m.is_moe else ""
+    active = f", {_count(counts.active(m))} active" if m.is_moe else ""
     slo = ", ".join(s for s in (f"TTFT <= {c.slo_ttft_ms:g} ms" if c.slo_ttft_ms else "",
                                 f"ITL <= {c.slo_itl_ms:g} ms" if c.slo_itl_ms else "") if s) or "none"
     rate = f"{c.request_rate:g} req/s" if c.request_rate else "not given (ranked by SLO capacity)"
     return [
-        f"Model  {m.name} ({m.kind}): {counts.total / 1e9:.2f}e9 parameters{active}; "
+        f"Model  {m.name} ({m.kind}): {_count(counts.total)} parameters{active}; "
         f"{c.weight_dtype} weights {wb / GB:,.2f} GB = {wb / GiB:,.2f} GiB",
         f"KV     {c.kv_cache_dtype}: {kv_tok:,.0f} bytes/token, {kv_tok * c.max_model_len / GiB:,.3f} GiB "
         f"= {kv_tok * c.max_model_len / GB:,.3f} GB per {c.max_model_len:,}-token sequence",
         f"GPU    {c.num_gpus} x {g.name} ({c.gpus_per_node} per node): {g.memory_bytes / GiB:,.2f} GiB, "
-        f"{g.hbm_bandwidth / GB:,.0f} GB/s, {g.peak_flops(c.weight_dtype) / 1e12:,.1f} TFLOP/s "
+        f"{g.hbm_bandwidth / GB:,.1f} GB/s, {_flops(g.peak_flops(c.weight_dtype))} "
         f"{'measured' if g.measured else f'peak x {c.compute_efficiency:g} achievable'}, "
         f"ridge {g.ridge_point(c.weight_dtype):,.0f} FLOP/byte",
         f"Budget {c.gpu_memory_utilization:g} x memory - {c.runtime_reserve_gib:g} GiB reserve per GPU; "
@@ -85,8 +93,13 @@ def format_report(result: PlanResult) -> str:
     if notes:
         out += ["", "Rejected / flagged"] + notes
     best = result.recommended
-    out += ["", f"Recommended: {best.layout.name} (highest estimated goodput under the SLO)"
-            if best else "Recommended: none - no layout fits"]
+    if not best:
+        out += ["", "Recommended: none - no layout fits"]
+    elif best.goodput_rps > 0:
+        out += ["", f"Recommended: {best.layout.name} (highest estimated goodput under the SLO)"]
+    else:
+        out += ["", f"Recommended: none meets the SLO; closest {best.layout.name} "
+                    f"(binding: {best.operating.limit})"]
     d = result.decision
     agree = ("agrees" if best and d.layout == best.layout else "differs") if d.layout else ""
     out.append(f"Rule of thumb: {d.rule}" + (f" -> {d.layout.name} ({agree})" if d.layout else ""))

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .units import GB, MiB
+from .units import GB, GiB, MiB
 
 
 @dataclass(frozen=True)
@@ -111,7 +111,7 @@ class GPUSpec:
 
     def describe(self) -> str:
         fp8 = f"{self.fp8_flops / 1e12:.0f}" if self.fp8_flops else "-"
-        return (f"{self.name}: {self.memory_bytes / MiB:.0f} MiB, HBM {self.hbm_bandwidth / GB:.0f} GB/s, "
-                f"BF16 {self.bf16_flops / 1e12:.1f} TFLOP/s, FP8 {fp8} TFLOP/s, links "
-                f"{self.intra_node_bandwidth / GB:.0f}/{self.inter_node_bandwidth / GB:.0f} GB/s "
-                f"intra/inter-node")
+        return (f"{self.name}: {self.memory_bytes / GiB:.2f} GiB ({self.memory_bytes / MiB:.0f} MiB), "
+                f"memory {self.hbm_bandwidth / GB:.0f} GB/s, BF16 {self.bf16_flops / 1e12:.1f} "
+                f"TFLOP/s, FP8 {fp8} TFLOP/s, links {self.intra_node_bandwidth / GB:.0f}/"
+                f"{self.inter_node_bandwidth / GB:.0f} GB/s per direction intra/inter-node")
