@@ -37,6 +37,10 @@ class ParallelState:
     comm_timer: CommTimer = field(default_factory=CommTimer)
 
     @property
+    def world_size(self) -> int:
+        return self.tp_size * self.pp_size
+
+    @property
     def rank(self) -> int:
         return self.pp_rank * self.tp_size + self.tp_rank
 
@@ -80,6 +84,22 @@ class ParallelState:
         dist.send(x.contiguous(), dst)
         self.comm_timer.add("send_recv", time.perf_counter() - t0)
 
+    def isend(self, x: torch.Tensor, dst: int):
+        """Start sending and return the work handle; the caller keeps `x` alive until it completes,
+        so a pipeline stage computes its next micro-batch while this one is in flight."""
+        self._sync()
+        t0 = time.perf_counter()
+        work = dist.isend(x, dst)
+        self.comm_timer.add("send_recv", time.perf_counter() - t0)
+        return work
+
+    def wait(self, works) -> None:
+        t0 = time.perf_counter()
+        for w in works:
+            w.wait()
+        if works:
+            self.comm_timer.add("send_recv", time.perf_counter() - t0)
+
     def recv(self, shape, dtype, src: int) -> torch.Tensor:
         x = torch.empty(shape, dtype=dtype, device=self.device)
         t0 = time.perf_counter()
@@ -87,6 +107,28 @@ class ParallelState:
         self._sync()
         self.comm_timer.add("send_recv", time.perf_counter() - t0)
         return x
+
+
+def init_distributed(rank: int, tp_size: int, pp_size: int, store, device: torch.device,
+                     timeout_s: float) -> ParallelState:
+    """Join this replica's process group (through an already connected store) and build the TP groups.
+    Gloo on CPU, NCCL on CUDA. Every rank creates every TP group, in the same order, as
+    torch.distributed requires."""
+    from datetime import timedelta
+
+    world = tp_size * pp_size
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    timeout = timedelta(seconds=timeout_s)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+    tp_group = None
+    for stage in range(pp_size):
+        ranks = list(range(stage * tp_size, (stage + 1) * tp_size))
+        group = dist.new_group(ranks, timeout=timeout) if tp_size > 1 else None
+        if rank in ranks:
+            tp_group = group
+    state = ParallelState(tp_size, pp_size, rank % tp_size, rank // tp_size, tp_group, device)
+    set_parallel_state(state)
+    return state
 
 
 _STATE = ParallelState()

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from meshserve.config import EngineConfig
 from meshserve.engine.block_manager import BlockManager
@@ -38,6 +38,8 @@ class EngineStats:
     num_blocks: int
     last_step_compute_s: float = 0.0
     last_step_comm_s: float = 0.0
+    # Per-rank compute/communication seconds (last step and totals): Executor.timing_snapshot().
+    parallel_timing: dict = field(default_factory=dict)
 
 
 class _RequestState:
@@ -260,7 +262,8 @@ class LLMEngine:
         return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), bm.usage, bm.prefix_queries,
                            bm.prefix_hits, self.num_prompt_tokens, self.num_generation_tokens,
                            self.scheduler.num_preemptions, bm.num_free_blocks, bm.num_blocks,
-                           self.last_step_compute_s, self.last_step_comm_s)
+                           self.last_step_compute_s, self.last_step_comm_s,
+                           parallel_timing=self.executor.timing_snapshot())
 
     def shutdown(self) -> None:
         self.executor.shutdown()

@@ -1,45 +1,107 @@
 """Executors start the ranks of one replica and run each step on all of them.
 
-`UniProcExecutor` runs a single rank in the engine's own process (TP = PP = 1).
+`UniProcExecutor` runs a single rank in the engine's own process (TP = PP = 1);
+`MultiprocExecutor` (mp_executor.py) runs TP x PP worker processes on this host;
+`RayExecutor` (ray_executor.py) runs them as Ray actors, on one node or many.
+The engine keeps the scheduler and block manager; every rank gets every step and only the sampling
+rank (last stage, TP rank 0) returns tokens.
 """
 from __future__ import annotations
 
+import logging
+from pathlib import Path
+
 from meshserve.config import EngineConfig
-from meshserve.distributed.parallel_state import ParallelState, set_parallel_state
+from meshserve.distributed.timing import RankTiming, TimingStats, mean_timing
+from meshserve.distributed.validation import check_parallel_layout, kv_heads_replicated
 from meshserve.models.loader import ModelSource
-from meshserve.worker.model_runner import ModelRunner, StepInput, StepResult
+from meshserve.layers.sampler import SamplerOutput
+from meshserve.worker.model_runner import StepInput, StepResult
+
+logger = logging.getLogger("meshserve")
+
+
+class WorkerFailure(RuntimeError):
+    """A rank died or failed; the executor has stopped all of its workers."""
+
+    def __init__(self, rank: int, message: str):
+        super().__init__(message)
+        self.rank = rank
 
 
 class Executor:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.timing = TimingStats()
+
     def num_kv_blocks(self) -> int: ...
     def init_kv_cache(self, num_blocks: int) -> None: ...
+    def block_bytes(self) -> int: ...
     def execute(self, step: StepInput) -> StepResult: ...
-    def shutdown(self) -> None: ...
     def check_health(self) -> None: ...
+
+    def shutdown(self) -> None:
+        if self.config.profile_dir and self.timing.steps:
+            table = self.timing.table(self.config.tensor_parallel_size)
+            out = Path(self.config.profile_dir) / "step_timing.txt"
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(table + "\n")
+            logger.info("where the step time went (also in %s):\n%s", out, table)
+
+    def timing_snapshot(self) -> dict:
+        return self.timing.snapshot()
+
+    def _result(self, sampled: SamplerOutput | None, timings: list[RankTiming]) -> StepResult:
+        self.timing.record(timings)
+        compute, comm = mean_timing(timings)
+        return StepResult(sampled, compute, comm, timings)
 
 
 class UniProcExecutor(Executor):
     def __init__(self, config: EngineConfig, source: ModelSource, max_model_len: int):
-        set_parallel_state(ParallelState(device=config.resolved_device()))
-        self.runner = ModelRunner(config, source, max_model_len)
+        from meshserve.worker.worker import Worker
+
+        super().__init__(config)
+        self.worker = Worker(config, source, max_model_len)
+        self.runner = self.worker.runner
 
     def num_kv_blocks(self) -> int:
         return self.runner.num_kv_blocks()
 
     def init_kv_cache(self, num_blocks: int) -> None:
-        self.runner.init_kv_cache(num_blocks)
+        self.worker.init_kv_cache(num_blocks)
+
+    def block_bytes(self) -> int:
+        return self.runner.block_bytes
 
     def execute(self, step: StepInput) -> StepResult:
-        return self.runner.execute(step)
-
-    def shutdown(self) -> None:
-        pass
+        sampled, timing = self.worker.execute(step)
+        return self._result(sampled, [timing])
 
     def check_health(self) -> None:
         pass
 
+    def shutdown(self) -> None:
+        self.worker.close()
+        super().shutdown()
+
 
 def make_executor(config: EngineConfig, source: ModelSource, max_model_len: int) -> Executor:
+    """Check the layout against the model (ValueError naming the valid sizes), then start the ranks."""
+    cfg, tp = source.config, config.tensor_parallel_size
+    check_parallel_layout(cfg, tp, config.pipeline_parallel_size, config.pipeline_split)
+    if kv_heads_replicated(cfg, tp):
+        logger.warning("tensor_parallel_size %d exceeds the model's %d KV heads: each KV head is replicated on "
+                       "%d ranks, so the per-rank KV cache stops shrinking beyond TP=%d",
+                       tp, cfg.num_key_value_heads, tp // cfg.num_key_value_heads, cfg.num_key_value_heads)
+    backend = config.distributed_executor_backend
     if config.world_size == 1:
         return UniProcExecutor(config, source, max_model_len)
-    raise ValueError("tensor/pipeline parallelism needs the distributed executor (not available in this build)")
+    if backend == "uni":
+        raise ValueError(f"the in-process executor runs one rank, but tensor_parallel_size x "
+                         f"pipeline_parallel_size = {config.world_size}; use 'mp' or 'ray'")
+    if backend == "ray":
+        from meshserve.worker.ray_executor import RayExecutor
+        return RayExecutor(config, source, max_model_len)
+    from meshserve.worker.mp_executor import MultiprocExecutor
+    return MultiprocExecutor(config, source, max_model_len)

@@ -3,13 +3,13 @@ runs the forward pass and (on the last pipeline stage's first TP rank) samples."
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass, field
 
 import torch
 
 from meshserve.config import CPU_DEFAULT_KV_BYTES, EngineConfig
 from meshserve.distributed.parallel_state import get_parallel_state
+from meshserve.distributed.timing import RankTiming
 from meshserve.layers.attention import AttentionMetadata, PrefillSeq
 from meshserve.layers.rotary import RotaryEmbedding
 from meshserve.layers.sampler import Sampler, SamplerOutput
@@ -42,8 +42,9 @@ class StepInput:
 @dataclass
 class StepResult:
     sampled: SamplerOutput | None
-    compute_s: float = 0.0
-    comm_s: dict[str, float] = field(default_factory=dict)
+    compute_s: float = 0.0  # mean over ranks
+    comm_s: dict[str, float] = field(default_factory=dict)  # mean over ranks, by kind
+    rank_timings: list[RankTiming] = field(default_factory=list)
 
 
 def _init_dummy_(model: torch.nn.Module, seed: int) -> None:
@@ -91,8 +92,8 @@ class ModelRunner:
         budget = self.config.kv_cache_memory_bytes
         if budget is None and self.device.type == "cuda":
             budget = self._profile_cuda_free_bytes()
-        if budget is None:
-            budget = CPU_DEFAULT_KV_BYTES
+        if budget is None:  # host memory is shared by all ranks of the replica
+            budget = CPU_DEFAULT_KV_BYTES // self.ps.world_size
         return budget // self.block_bytes
 
     def _profile_cuda_free_bytes(self) -> int:
@@ -154,26 +155,25 @@ class ModelRunner:
                 meta, sample_rows)
 
     @torch.inference_mode()
-    def execute(self, step: StepInput, hidden: torch.Tensor | None = None):
-        """Run one step. Returns the hidden states for the next pipeline stage on a non-last stage,
-        else a StepResult (with sampled tokens on the sampling rank)."""
-        t0 = time.perf_counter()
+    def forward(self, step: StepInput, hidden: torch.Tensor | None = None) -> tuple[torch.Tensor, list[int]]:
+        """This stage's layers over the step's tokens (token ids on the first stage, the previous
+        stage's hidden states on later ones). Returns the hidden states and the rows that sample."""
+        ids, positions, meta, sample_rows = self._prepare(step)
+        return self.model(ids, positions, self.kv_caches, meta, hidden=hidden), sample_rows
+
+    @torch.inference_mode()
+    def sample(self, step: StepInput, hidden_rows: torch.Tensor | None) -> SamplerOutput | None:
+        """Last stage: logits of the sampling rows on every TP rank (the vocab-parallel head gathers
+        them), tokens on the sampling rank only."""
         if self.sampler is not None:
             self.sampler.forget(step.finished_seq_ids)
-        ids, positions, meta, sample_rows = self._prepare(step)
-        out = self.model(ids, positions, self.kv_caches, meta, hidden=hidden)
-        if not self.ps.is_last_stage:
-            return out
-        sampled = None
-        if sample_rows:
-            logits = self.model.compute_logits(out[torch.tensor(sample_rows, device=self.device)])
-            if self.sampler is not None:
-                sampling = [s for s in step.seqs if s.sample]
-                params = [s.params for s in sampling]
-                histories = [s.history for s in sampling] if any(p.has_penalties for p in params) else None
-                sampled = self.sampler(logits, [s.seq_id for s in sampling], params,
-                                       [s.seed_key for s in sampling], histories)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        comm = self.ps.comm_timer.take()
-        return StepResult(sampled, time.perf_counter() - t0 - sum(comm.values()), comm)
+        if hidden_rows is None or hidden_rows.shape[0] == 0:
+            return None
+        logits = self.model.compute_logits(hidden_rows)
+        if self.sampler is None:
+            return None
+        sampling = [s for s in step.seqs if s.sample]
+        params = [s.params for s in sampling]
+        histories = [s.history for s in sampling] if any(p.has_penalties for p in params) else None
+        return self.sampler(logits, [s.seq_id for s in sampling], params, [s.seed_key for s in sampling],
+                            histories)

@@ -1,0 +1,133 @@
+"""Where a step's time goes on each rank: compute versus communication (all-reduce, all-gather,
+send/recv), kept as totals since start plus the last step, shown as a table and as Prometheus series.
+
+Communication time is wall time inside the collective, so it includes waiting for the slowest peer:
+for all-reduce the straggling TP rank, for send/recv the previous pipeline stage (the pipeline bubble).
+That is what a device timeline shows too, and it is the part a faster interconnect or a better
+balance would win back.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+COMM_KINDS = ("all_reduce", "all_gather", "send_recv")
+
+
+@dataclass
+class RankTiming:
+    rank: int
+    compute_s: float = 0.0
+    comm_s: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def comm_total_s(self) -> float:
+        return sum(self.comm_s.values())
+
+    def add(self, other: "RankTiming") -> None:
+        self.compute_s += other.compute_s
+        for kind, s in other.comm_s.items():
+            self.comm_s[kind] = self.comm_s.get(kind, 0.0) + s
+
+
+def mean_timing(timings: list[RankTiming]) -> tuple[float, dict[str, float]]:
+    """(compute, comm by kind) averaged over ranks: the replica's step as one number each."""
+    n = max(1, len(timings))
+    total = RankTiming(-1)
+    for t in timings:
+        total.add(t)
+    return total.compute_s / n, {k: s / n for k, s in total.comm_s.items()}
+
+
+class TimingStats:
+    """Per-rank totals since start, and the last step, of one replica."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+        self.totals: dict[int, RankTiming] = {}
+        self.last: list[RankTiming] = []
+
+    def record(self, timings: list[RankTiming]) -> None:
+        self.steps += 1
+        self.last = timings
+        for t in timings:
+            self.totals.setdefault(t.rank, RankTiming(t.rank)).add(t)
+
+    def snapshot(self) -> dict:
+        """Plain, picklable numbers (this crosses process boundaries inside engine stats)."""
+        as_dict = lambda t: {"compute": t.compute_s, "comm": dict(t.comm_s)}  # noqa: E731
+        return {"steps": self.steps,
+                "last": {t.rank: as_dict(t) for t in self.last},
+                "total": {r: as_dict(t) for r, t in sorted(self.totals.items())}}
+
+    def table(self, tp_size: int = 1) -> str:
+        return format_timing_table(list(self.totals.values()), self.steps, tp_size)
+
+
+def format_timing_table(timings: list[RankTiming], steps: int, tp_size: int = 1) -> str:
+    """Per-rank compute and communication seconds and the share of time in communication."""
+    head = ["rank", "stage", "tp", "compute s", *(f"{k} s" for k in COMM_KINDS), "comm share"]
+    rows = []
+    total = RankTiming(-1)
+    for t in sorted(timings, key=lambda t: t.rank):
+        total.add(t)
+        rows.append(_row(str(t.rank), str(t.rank // tp_size), str(t.rank % tp_size), t))
+    if len(timings) > 1:
+        rows.append(_row("all", "", "", total))
+    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
+    lines = [f"{steps} steps; communication = wall time inside collectives and point-to-point transfers",
+             "  ".join(h.rjust(w) for h, w in zip(head, widths))]
+    lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
+    return "\n".join(lines)
+
+
+def _row(rank: str, stage: str, tp: str, t: RankTiming) -> list[str]:
+    wall = t.compute_s + t.comm_total_s
+    share = t.comm_total_s / wall if wall > 0 else 0.0
+    return [rank, stage, tp, f"{t.compute_s:.3f}", *(f"{t.comm_s.get(k, 0.0):.3f}" for k in COMM_KINDS),
+            f"{share:.1%}"]
+
+
+class _ParallelTimingCollector:
+    def __init__(self, read_snapshot: Callable[[], dict | None], prefix: str) -> None:
+        self._read, self._prefix = read_snapshot, prefix
+
+    def describe(self):
+        return []  # series exist only at scrape time
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        snap = self._read() or {}
+        p = self._prefix
+        compute = GaugeMetricFamily(p + "step_compute_seconds", "Compute time of the last step, per rank.",
+                                    labels=["rank"])
+        comm = GaugeMetricFamily(p + "step_communication_seconds",
+                                 "Communication time of the last step, per rank and kind.", labels=["rank", "kind"])
+        for rank, t in snap.get("last", {}).items():
+            compute.add_metric([str(rank)], t["compute"])
+            for kind in COMM_KINDS:
+                comm.add_metric([str(rank), kind], t["comm"].get(kind, 0.0))
+        compute_total = CounterMetricFamily(p + "compute_seconds", "Compute time since start, per rank.",
+                                            labels=["rank"])
+        comm_total = CounterMetricFamily(p + "communication_seconds",
+                                         "Communication time since start, per rank and kind.", labels=["rank", "kind"])
+        for rank, t in snap.get("total", {}).items():
+            compute_total.add_metric([str(rank)], t["compute"])
+            for kind in COMM_KINDS:
+                comm_total.add_metric([str(rank), kind], t["comm"].get(kind, 0.0))
+        steps = CounterMetricFamily(p + "engine_steps", "Model steps executed.", value=float(snap.get("steps", 0)))
+        yield from (compute, comm, compute_total, comm_total, steps)
+
+
+def register_parallel_metrics(registry, read_snapshot: Callable[[], dict | None],
+                              prefix: str = "meshserve:") -> None:
+    """Add per-rank step timing series to a prometheus_client CollectorRegistry.
+
+    `read_snapshot` returns `TimingStats.snapshot()` (e.g. the engine's latest stats["parallel_timing"])
+    and is called at scrape time. Series: `step_compute_seconds{rank}` and
+    `step_communication_seconds{rank,kind}` (gauges, last step); `compute_seconds_total{rank}`,
+    `communication_seconds_total{rank,kind}` and `engine_steps_total` (counters), so that
+    rate(communication) / (rate(compute) + rate(communication)) is the share of time in communication.
+    """
+    registry.register(_ParallelTimingCollector(read_snapshot, prefix))

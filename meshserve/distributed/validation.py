@@ -1,0 +1,64 @@
+"""Which tensor/pipeline layouts a model admits, checked before any worker process starts.
+
+TP shards query heads, KV heads, the MLP's intermediate size and the vocabulary across ranks:
+- every rank needs the same number of query heads, so TP must divide the attention heads;
+- KV heads are either split evenly (TP divides them) or replicated (TP is a multiple of them, so each
+  KV head lives on TP / KV-heads ranks); anything else would leave a rank with query heads whose KV
+  head sits on another rank;
+- the gate/up and down projections split the intermediate size, so TP must divide it too.
+The vocabulary is padded to a multiple of TP, so it never restricts TP.
+PP splits the decoder layers into contiguous stages of at least one layer each.
+"""
+from __future__ import annotations
+
+from meshserve.models.model_config import ModelConfig
+
+
+def tp_size_problem(cfg: ModelConfig, tp: int) -> str | None:
+    """Why `tp` cannot shard this model, or None when it can."""
+    heads, kv = cfg.num_attention_heads, cfg.num_key_value_heads
+    if heads % tp:
+        return f"it does not divide the {heads} attention heads"
+    if kv % tp and tp % kv:
+        return f"neither it nor the {kv} KV heads divides the other"
+    if cfg.intermediate_size % tp:
+        return f"it does not divide the MLP intermediate size {cfg.intermediate_size}"
+    return None
+
+
+def valid_tp_sizes(cfg: ModelConfig) -> list[int]:
+    return [t for t in range(1, cfg.num_attention_heads + 1) if tp_size_problem(cfg, t) is None]
+
+
+def kv_heads_replicated(cfg: ModelConfig, tp: int) -> bool:
+    return tp > cfg.num_key_value_heads
+
+
+def resolve_pipeline_split(num_layers: int, pp: int, split: list[int] | None) -> list[int]:
+    """Layers per stage: the explicit split after checking it, else as even as possible (earlier
+    stages take the remainder)."""
+    if pp > num_layers:
+        raise ValueError(f"pipeline_parallel_size {pp} exceeds the model's {num_layers} layers; "
+                         f"valid sizes are 1..{num_layers}")
+    if split is None:
+        base, extra = divmod(num_layers, pp)
+        return [base + (1 if r < extra else 0) for r in range(pp)]
+    split = list(split)
+    if len(split) != pp:
+        raise ValueError(f"pipeline_split {split} has {len(split)} stages but pipeline_parallel_size is {pp}")
+    if any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in split):
+        raise ValueError(f"pipeline_split {split}: every stage needs at least one layer")
+    if sum(split) != num_layers:
+        raise ValueError(f"pipeline_split {split} sums to {sum(split)} but the model has {num_layers} layers")
+    return split
+
+
+def check_parallel_layout(cfg: ModelConfig, tp: int, pp: int, split: list[int] | None) -> list[int]:
+    """Raise ValueError naming the valid sizes when the layout does not fit the model; return the
+    layers per pipeline stage."""
+    problem = tp_size_problem(cfg, tp)
+    if problem is not None:
+        valid = ", ".join(map(str, valid_tp_sizes(cfg)))
+        raise ValueError(f"tensor_parallel_size {tp} cannot shard this model: {problem}; "
+                         f"valid tensor_parallel_size values are {valid}")
+    return resolve_pipeline_split(cfg.num_hidden_layers, pp, split)

@@ -1,0 +1,282 @@
+"""TP x PP worker processes on this host, one per device (on CPU: one per share of the cores).
+
+Each step is pickled once and written to every rank's pipe; every rank replies with its timing, the
+sampling rank also with the tokens. While it waits, the engine also watches every process's sentinel,
+so a rank that dies (killed, out of memory, a crash in a collective) turns into a WorkerFailure naming
+it within moments, and the other ranks are killed with it: the engine never hangs on a dead peer.
+Ranks rendezvous through a FileStore in a private temporary directory, so no port is opened to find
+each other; gloo itself is kept on the loopback interface.
+
+Workers fork from a forkserver that has imported torch once, which saves seconds per rank on start.
+A watchdog thread in each worker exits it when the engine process is gone, whatever it was doing.
+"""
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import pickle
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import threading
+import time
+import traceback
+import weakref
+from contextlib import contextmanager
+from multiprocessing.connection import Connection, wait
+from typing import NoReturn
+
+import torch
+
+from meshserve.config import EngineConfig
+from meshserve.models.loader import ModelSource
+from meshserve.worker.executor import Executor, WorkerFailure
+from meshserve.worker.model_runner import StepInput, StepResult
+from meshserve.worker.worker import cpu_shares
+
+logger = logging.getLogger("meshserve")
+
+_SHUTDOWN_GRACE_S = 10.0  # for a rank to write its profiler trace and leave its process groups
+
+
+@contextmanager
+def _main_script_hidden():
+    """Start ranks without re-running the user's __main__ in them: they need nothing from it, and a
+    script without an `if __name__ == "__main__":` guard would otherwise start an engine in each rank."""
+    main = sys.modules["__main__"]
+    saved = {k: main.__dict__[k] for k in ("__file__", "__spec__") if k in main.__dict__}
+    main.__dict__.pop("__file__", None)
+    main.__spec__ = None
+    try:
+        yield
+    finally:
+        main.__dict__.pop("__spec__", None)
+        main.__dict__.update(saved)
+
+
+def _context():
+    if "forkserver" in mp.get_all_start_methods():
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(["meshserve.worker.worker"])
+        return ctx
+    return mp.get_context("spawn")
+
+
+# ---- the worker process ---------------------------------------------------------------------
+def _exit_with_engine(engine_alive: Connection) -> None:
+    try:
+        engine_alive.recv()  # nothing is ever sent: this returns when the engine's end closes
+    except (EOFError, OSError):
+        pass
+    os._exit(0)
+
+
+def _keep_gloo_on_loopback() -> None:
+    if "GLOO_SOCKET_IFNAME" not in os.environ and any(name == "lo" for _, name in socket.if_nameindex()):
+        os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+
+
+def _worker_main(rank: int, conn: Connection, engine_alive: Connection, config: EngineConfig,
+                 source: ModelSource, max_model_len: int, store_path: str, device: torch.device,
+                 cores: list[int]) -> None:
+    from meshserve.worker.worker import Worker
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the engine, which stops the ranks
+    threading.Thread(target=_exit_with_engine, args=(engine_alive,), daemon=True).start()
+    _keep_gloo_on_loopback()
+    try:
+        store = torch.distributed.FileStore(store_path, config.world_size)
+        worker = Worker(config, source, max_model_len, rank, store, device, cores)
+        conn.send(("ok", worker.info))
+        while True:
+            try:
+                method, args = pickle.loads(conn.recv_bytes())
+            except EOFError:
+                return
+            if method == "close":
+                worker.close()
+                conn.send(("ok", None))
+                return
+            conn.send(("ok", getattr(worker, method)(*args)))
+    except BaseException:
+        try:
+            conn.send(("error", traceback.format_exc()))
+        except OSError:
+            pass
+        os._exit(1)  # the process groups are broken now; gloo threads must not keep us alive
+
+
+# ---- the engine side --------------------------------------------------------------------------
+def _stop(procs: list, conns: list[Connection], engine_alive: list[Connection], tmpdir: str, grace: float) -> None:
+    for c in engine_alive:
+        c.close()  # each worker's watchdog exits it
+    deadline = time.monotonic() + grace
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    for p in procs:
+        p.join(5)
+    for c in conns:
+        c.close()
+    shutil.rmtree(tmpdir, ignore_errors=True)
+
+
+class MultiprocExecutor(Executor):
+    def __init__(self, config: EngineConfig, source: ModelSource, max_model_len: int):
+        super().__init__(config)
+        world = config.world_size
+        device = config.resolved_device()
+        if device.type == "cuda" and world > torch.cuda.device_count():
+            raise ValueError(f"tensor_parallel_size x pipeline_parallel_size = {world} needs {world} GPUs, "
+                             f"but this host has {torch.cuda.device_count()}; use the ray backend to span hosts")
+        cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+        shares = cpu_shares(world, cores) if cores else [[]] * world
+        if cores and world > len(cores):
+            logger.warning("%d ranks share %d CPU cores: each runs one thread, and ranks on the same core "
+                           "take turns", world, len(cores))
+        self.sampling_rank = (config.pipeline_parallel_size - 1) * config.tensor_parallel_size
+        self._tmpdir = tempfile.mkdtemp(prefix="meshserve-dist-")
+        store_path = os.path.join(self._tmpdir, "store")
+        ctx = _context()
+        self.procs, self.conns, self._engine_alive = [], [], []
+        for rank in range(world):
+            conn, child_conn = ctx.Pipe()
+            alive_r, alive_w = ctx.Pipe(duplex=False)
+            rank_device = torch.device("cuda", rank) if device.type == "cuda" else device
+            p = ctx.Process(target=_worker_main, name=f"meshserve-rank{rank}", daemon=True,
+                            args=(rank, child_conn, alive_r, config, source, max_model_len, store_path,
+                                  rank_device, shares[rank]))
+            with _main_script_hidden():
+                p.start()
+            child_conn.close()
+            alive_r.close()
+            self.procs.append(p)
+            self.conns.append(conn)
+            self._engine_alive.append(alive_w)
+        self._finalizer = weakref.finalize(self, _stop, self.procs, self.conns, self._engine_alive, self._tmpdir, 0.0)
+        self._failure: WorkerFailure | None = None
+        self._closed = False
+        self.infos = self._gather(range(world))
+        logger.info("%d worker processes (TP=%d x PP=%d, %s): %s", world, config.tensor_parallel_size,
+                    config.pipeline_parallel_size, device.type,
+                    "; ".join(f"rank {r} pid {i['pid']} layers {i['layers'][0]}-{i['layers'][-1]} cores "
+                              f"{shares[r] or 'all'}" for r, i in sorted(self.infos.items())))
+
+    # ---- calls -------------------------------------------------------------------------
+    def _broadcast(self, method: str, *args) -> None:
+        if self._failure is not None:
+            raise self._failure
+        payload = pickle.dumps((method, args), protocol=pickle.HIGHEST_PROTOCOL)
+        for rank, conn in enumerate(self.conns):
+            try:
+                conn.send_bytes(payload)
+            except OSError:
+                self._fail(rank)
+
+    def _gather(self, ranks, timeout: float | None = None) -> dict:
+        """Each rank's reply; a rank that dies or reports an error first fails the executor."""
+        pending = {self.conns[r]: r for r in ranks}
+        sentinels = {p.sentinel: r for r, p in enumerate(self.procs)}
+        deadline = None if timeout is None else time.monotonic() + timeout
+        replies = {}
+        while pending:
+            left = None if deadline is None else deadline - time.monotonic()
+            ready = wait([*pending, *sentinels], left)
+            if not ready:
+                raise TimeoutError(f"ranks {sorted(pending.values())} did not answer within {timeout} s")
+            for obj in ready:
+                if obj in sentinels:  # a process exited: read what it left (its answer, error or EOF)
+                    obj = self.conns[sentinels.pop(obj)]
+                if obj not in pending:
+                    continue  # it answered before exiting, or was read above in this round
+                rank = pending.pop(obj)
+                try:
+                    status, value = obj.recv()
+                except (EOFError, OSError):
+                    self._fail(rank)
+                if status == "error":
+                    self._fail(rank, value)
+                replies[rank] = value
+        return replies
+
+    def _call_all(self, method: str, *args) -> list:
+        self._broadcast(method, *args)
+        replies = self._gather(range(len(self.procs)))
+        return [replies[r] for r in range(len(self.procs))]
+
+    def _fail(self, rank: int, error: str | None = None) -> NoReturn:
+        """Name the rank that failed, stop every worker and raise. A rank killed from outside (by a
+        signal) is named as the cause over peers that then failed inside a collective with it."""
+        alive = [p.sentinel for p in self.procs if p.exitcode is None]
+        if alive:
+            wait(alive, 0.3)  # let the peers' reactions arrive
+        killed = [r for r, p in enumerate(self.procs) if p.exitcode not in (None, 0, 1)]
+        if killed and rank not in killed:
+            rank, error = killed[0], None
+        if error is None:
+            error = self._pending_error(rank)
+        p = self.procs[rank]
+        if error is None:
+            code = p.exitcode
+            how = (f"was killed by {signal.Signals(-code).name}" if code is not None and code < 0
+                   else f"exited with code {code}" if code is not None else "closed its pipe")
+            message = f"worker rank {rank} (pid {p.pid}) {how}; stopped all {len(self.procs)} workers"
+        else:
+            message = (f"worker rank {rank} (pid {p.pid}) failed; stopped all {len(self.procs)} workers. "
+                       f"Its error:\n{error.rstrip()}")
+        self._failure = WorkerFailure(rank, message)
+        self._closed = True
+        self._finalizer()
+        raise self._failure
+
+    def _pending_error(self, rank: int) -> str | None:
+        conn = self.conns[rank]
+        try:
+            while conn.poll():
+                status, value = conn.recv()
+                if status == "error":
+                    return value
+        except (EOFError, OSError):
+            pass
+        return None
+
+    # ---- Executor ----------------------------------------------------------------------
+    def num_kv_blocks(self) -> int:
+        return min(self._call_all("num_kv_blocks"))
+
+    def init_kv_cache(self, num_blocks: int) -> None:
+        self._call_all("init_kv_cache", num_blocks)
+
+    def block_bytes(self) -> int:
+        return max(i["block_bytes"] for i in self.infos.values())
+
+    def execute(self, step: StepInput) -> StepResult:
+        replies = self._call_all("execute", step)
+        return self._result(replies[self.sampling_rank][0], [timing for _, timing in replies])
+
+    def check_health(self) -> None:
+        if self._failure is not None:
+            raise self._failure
+        if self._closed:
+            raise RuntimeError("the executor has been shut down")
+        for rank, p in enumerate(self.procs):
+            if not p.is_alive():
+                self._fail(rank)
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._broadcast("close")
+            self._gather(range(len(self.procs)), timeout=_SHUTDOWN_GRACE_S)
+        except (WorkerFailure, TimeoutError) as exc:
+            logger.warning("workers did not stop cleanly: %s", exc)
+        if self._finalizer.detach() is not None:
+            _stop(self.procs, self.conns, self._engine_alive, self._tmpdir, grace=5.0)
+        super().shutdown()

@@ -1,0 +1,122 @@
+"""One rank of a replica: its share of the CPU, its place in the process groups, its model shard, and
+the step loop over pipeline micro-batches. The executors (in-process, multiprocessing, Ray) only move
+steps and replies; what a rank does is defined here once."""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from meshserve.config import EngineConfig
+from meshserve.distributed.parallel_state import ParallelState, init_distributed, set_parallel_state
+from meshserve.distributed.timing import RankTiming
+from meshserve.models.loader import ModelSource
+from meshserve.worker.microbatch import num_tokens, split_microbatches
+from meshserve.worker.model_runner import ModelRunner, StepInput
+
+logger = logging.getLogger("meshserve")
+
+# A collective that waits this long means a peer is gone or stuck; the rank then fails loudly.
+COLLECTIVE_TIMEOUT_S = 600.0
+
+
+def cpu_shares(world: int, cores: list[int]) -> list[list[int]]:
+    """The cores each rank may run on: equal contiguous shares, or one core each (round-robin) when
+    there are more ranks than cores. Ranks whose OpenMP pools overlap slow each other down many-fold."""
+    if world <= len(cores):
+        per = len(cores) // world
+        return [cores[r * per:(r + 1) * per] for r in range(world)]
+    return [[cores[r % len(cores)]] for r in range(world)]
+
+
+def pin_to_cores(cores: list[int]) -> None:
+    if hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, cores)
+    torch.set_num_threads(len(cores))
+
+
+class Worker:
+    """`store` is a connected torch.distributed store (None for a single rank, which then needs no
+    process group at all)."""
+
+    def __init__(self, config: EngineConfig, source: ModelSource, max_model_len: int, rank: int = 0,
+                 store=None, device: torch.device | None = None, cores: list[int] | None = None):
+        if cores:
+            pin_to_cores(cores)
+        device = device or config.resolved_device()
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        if store is None:
+            self.ps = ParallelState(device=device)
+            set_parallel_state(self.ps)
+        else:
+            self.ps = init_distributed(rank, config.tensor_parallel_size, config.pipeline_parallel_size, store,
+                                       device, COLLECTIVE_TIMEOUT_S)
+        self.rank = rank
+        self.config = config
+        self.runner = ModelRunner(config, source, max_model_len)
+        tp = self.ps.tp_size
+        self.prev_rank = self.ps.rank - tp  # same TP rank, previous stage
+        self.next_rank = self.ps.rank + tp
+        self._inflight: list[tuple[object, torch.Tensor]] = []  # sends still running, with their tensors
+        self._profiler = None
+
+    @property
+    def info(self) -> dict:
+        return {"rank": self.rank, "pid": os.getpid(), "block_bytes": self.runner.block_bytes,
+                "num_kv_heads": self.runner.num_kv_heads, "layers": list(self.runner.model.layer_range)}
+
+    def num_kv_blocks(self) -> int:
+        return self.runner.num_kv_blocks()
+
+    def init_kv_cache(self, num_blocks: int) -> None:
+        self.runner.init_kv_cache(num_blocks)
+        if self.config.profile_dir:  # profile serving steps only, not loading
+            acts = [torch.profiler.ProfilerActivity.CPU]
+            if self.ps.device.type == "cuda":
+                acts.append(torch.profiler.ProfilerActivity.CUDA)
+            self._profiler = torch.profiler.profile(activities=acts)
+            self._profiler.start()
+
+    @torch.inference_mode()
+    def execute(self, step: StepInput):
+        """Run one step through this rank's stage. Returns (sampled tokens or None, timing)."""
+        t0 = time.perf_counter()
+        ps, runner = self.ps, self.runner
+        with torch.profiler.record_function("meshserve_step"):
+            # The last stage has replied for the previous step, so its sends are done: this returns at once.
+            ps.wait([w for w, _ in self._inflight])
+            self._inflight = []
+            pieces = split_microbatches(step, ps.pp_size) if ps.pp_size > 1 else [step]
+            rows = []
+            for piece in pieces:
+                hidden = None
+                if not ps.is_first_stage:
+                    shape = (num_tokens(piece), runner.model.cfg.hidden_size)
+                    hidden = ps.recv(shape, runner.dtype, self.prev_rank)
+                out, sample_rows = runner.forward(piece, hidden)
+                if not ps.is_last_stage:
+                    self._inflight.append((ps.isend(out, self.next_rank), out))
+                elif sample_rows:
+                    rows.append(out[torch.tensor(sample_rows, device=out.device)])
+            sampled = None
+            if ps.is_last_stage:
+                sampled = runner.sample(step, torch.cat(rows) if rows else None)
+            if ps.device.type == "cuda":
+                torch.cuda.synchronize(ps.device)
+        comm = ps.comm_timer.take()
+        return sampled, RankTiming(self.rank, time.perf_counter() - t0 - sum(comm.values()), comm)
+
+    def close(self) -> None:
+        if self._profiler is not None:
+            self._profiler.stop()
+            out = Path(self.config.profile_dir) / f"trace_rank{self.rank}.json"
+            out.parent.mkdir(parents=True, exist_ok=True)
+            self._profiler.export_chrome_trace(str(out))
+            self._profiler = None
+            logger.info("rank %d: torch.profiler trace written to %s", self.rank, out)
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
