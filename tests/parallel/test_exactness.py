@@ -3,8 +3,11 @@ import json
 import logging
 
 import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
 from meshserve import LLM, SamplingParams
+from meshserve.distributed.timing import register_parallel_metrics
 
 from parallel_helpers import ENGINE_ARGS, GREEDY, generate_ids, prompts
 
@@ -25,6 +28,13 @@ def test_tp_beyond_kv_heads_replicates_them(tiny_kv2, reference_kv2, caplog):
         assert [infos[r]["num_kv_heads"] for r in range(4)] == [1, 1, 1, 1]
         outs = llm.generate(prompts(), GREEDY)
         assert [o.outputs[0].token_ids for o in outs] == reference_kv2
+        # The engine's stats carry every rank's time in the all-reduces into the Prometheus series.
+        registry = CollectorRegistry()
+        register_parallel_metrics(registry, lambda: llm.engine.get_stats().parallel_timing)
+        reduced = {s.labels["rank"]: s.value for fam in text_string_to_metric_families(generate_latest(registry).decode())
+                   for s in fam.samples
+                   if s.name == "meshserve:communication_seconds_total" and s.labels["kind"] == "all_reduce"}
+        assert set(reduced) == {"0", "1", "2", "3"} and min(reduced.values()) > 0
     finally:
         llm.engine.shutdown()
 

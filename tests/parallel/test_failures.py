@@ -1,0 +1,55 @@
+"""A dead rank fails the engine loudly and quickly, and takes the other ranks down with it."""
+import os
+import signal
+import time
+
+import pytest
+
+from meshserve import LLM, SamplingParams
+from meshserve.worker.executor import WorkerFailure
+
+from parallel_helpers import ENGINE_ARGS
+
+
+def test_killed_worker_fails_the_engine_within_seconds(tiny_kv2):
+    llm = LLM(tiny_kv2, tensor_parallel_size=2, **ENGINE_ARGS)
+    executor = llm.engine.executor
+    try:
+        executor.check_health()
+        victim = executor.procs[1]
+        killed_at, steps = [], []
+        broadcast = executor._broadcast
+
+        def broadcast_then_kill(method, *args):
+            """The third step is sent to every rank, then rank 1 dies while the engine waits for it."""
+            broadcast(method, *args)
+            steps.append(method)
+            if steps.count("execute") == 3:
+                killed_at.append(time.monotonic())
+                os.kill(victim.pid, signal.SIGKILL)
+
+        executor._broadcast = broadcast_then_kill
+        with pytest.raises(WorkerFailure, match=r"worker rank 1 \(pid \d+\) was killed by SIGKILL") as err:
+            llm.generate(["Hello there"], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))
+        assert err.value.rank == 1
+        assert time.monotonic() - killed_at[0] < 5.0
+        assert not any(p.is_alive() for p in executor.procs)  # the surviving rank was stopped too
+        with pytest.raises(WorkerFailure, match="rank 1"):
+            executor.check_health()
+        with pytest.raises(WorkerFailure):
+            llm.generate(["again"], SamplingParams(max_tokens=2))
+    finally:
+        llm.engine.shutdown()
+
+
+def test_check_health_reports_a_rank_that_died_while_idle(tiny_kv2):
+    llm = LLM(tiny_kv2, pipeline_parallel_size=2, **ENGINE_ARGS)
+    executor = llm.engine.executor
+    try:
+        os.kill(executor.procs[0].pid, signal.SIGKILL)
+        executor.procs[0].join(5)
+        with pytest.raises(WorkerFailure, match=r"worker rank 0 .*SIGKILL"):
+            executor.check_health()
+        assert not executor.procs[1].is_alive()
+    finally:
+        llm.engine.shutdown()
