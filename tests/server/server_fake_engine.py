@@ -103,10 +103,8 @@ class FakeEngine:
                     self._advance(req, o)
             if b"CRASH" in bytes(req.prompt) and len(req.outputs[0].token_ids) > 2:
                 raise RuntimeError("simulated engine failure")
-            outputs.append(RequestOutput(req.request_id, None, req.prompt,
-                                         [CompletionOutput(o.index, o.text, list(o.token_ids), o.finish_reason,
-                                                           o.stop_reason, list(o.logprobs) if o.logprobs is not None else None)
-                                          for o in req.outputs], req.finished, req.metrics))
+            outputs.append(RequestOutput(req.request_id, None, req.prompt, [_copy(o) for o in req.outputs],
+                                         req.finished, req.metrics))
         self.running = [r for r in self.running if not r.finished]
         return outputs
 
@@ -131,6 +129,12 @@ class FakeEngine:
                      for r in self.running)
         return FakeStats(len(self.running), len(self.waiting), min(1.0, blocks / NUM_BLOCKS), 0, 0,
                          self.prompt_tokens, self.generation_tokens)
+
+
+def _copy(o: CompletionOutput) -> CompletionOutput:
+    """A snapshot, as the real engine returns: later steps must not change what was handed out."""
+    return CompletionOutput(o.index, o.text, list(o.token_ids), o.finish_reason, o.stop_reason,
+                            list(o.logprobs) if o.logprobs is not None else None)
 
 
 def main(argv: list[str] | None = None) -> int:

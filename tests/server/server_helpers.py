@@ -61,7 +61,7 @@ class ServerProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        os.unlink(self.log.name)
+        Path(self.log.name).unlink(missing_ok=True)
         return self.proc.returncode
 
 

@@ -88,9 +88,10 @@ def test_openai_client_completions_match_offline(client, stack):
 
 def test_openai_client_chat_matches_offline(client, stack):
     kwargs = dict(model=MODEL, messages=MESSAGES, max_tokens=MAX_TOKENS, temperature=0)
-    r, stream_text = together(
-        lambda: client.chat.completions.create(**kwargs),
-        lambda: "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(**kwargs, stream=True)))
+    def streamed() -> str:
+        return "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(**kwargs, stream=True))
+
+    r, stream_text = together(lambda: client.chat.completions.create(**kwargs), streamed)
     assert r.choices[0].message.content == stack.expected["chat"] == stream_text
     assert r.choices[0].message.role == "assistant"
     with pytest.raises(openai.NotFoundError):
@@ -134,7 +135,8 @@ def test_disconnected_clients_leave_kv_usage_at_idle(server):
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         text = scrape()
-        if metric(text, "meshserve:kv_cache_usage_perc") == idle and metric(text, "meshserve:num_requests_running") == 0:
+        if (metric(text, "meshserve:kv_cache_usage_perc") == idle
+                and metric(text, "meshserve:num_requests_running") == 0):
             break
         time.sleep(0.1)
     assert metric(text, "meshserve:kv_cache_usage_perc") == idle
@@ -168,19 +170,22 @@ def _malformed_requests(rng: random.Random, count: int):
             body = json.dumps({**base, "prompt": "PLACEHOLDER"}).encode()
             yield "POST", "/v1/completions", body.replace(b"PLACEHOLDER", b"ab" + rng.randbytes(1) + b"\xff")
         elif kind == 5:
-            bad_chat = rng.choice([{"messages": []}, {"messages": "hi"}, {"messages": [{"role": "cat", "content": "x"}]},
+            bad_chat = rng.choice([{"messages": []}, {"messages": "hi"},
+                                   {"messages": [{"role": "cat", "content": "x"}]},
                                    {"messages": [{"role": "user", "content": 7}]}, {**chat, "top_logprobs": 3},
                                    {**chat, "n": -1}, {**chat, "max_completion_tokens": -2}])
             yield "POST", "/v1/chat/completions", json.dumps(bad_chat).encode()
         elif kind == 6:
-            yield "POST", "/v1/completions", json.dumps({**base, "prompt": "word " * rng.randrange(300, 600)}).encode()
+            too_long = "word " * rng.randrange(300, 600)
+            yield "POST", "/v1/completions", json.dumps({**base, "prompt": too_long}).encode()
         elif kind == 7:
             yield "POST", "/v1/completions", b'{"prompt": "' + b"z" * (MAX_BODY + rng.randrange(1, 1000)) + b'"}'
         elif kind == 8:
             yield rng.choice([("GET", "/v1/completions"), ("PUT", "/v1/chat/completions"), ("POST", "/v1/nothing"),
                               ("DELETE", "/health"), ("POST", "/v1/models")]) + (b"{}",)
         else:
-            yield "POST", "/detokenize", json.dumps({"tokens": rng.choice([[-1], [10**9], ["a"], [1.5], "x"])}).encode()
+            tokens = rng.choice([[-1], [10**9], ["a"], [1.5], "x"])
+            yield "POST", "/detokenize", json.dumps({"tokens": tokens}).encode()
 
 
 def test_fuzz_never_breaks_the_server(server, client, stack):

@@ -80,3 +80,24 @@ def test_engine_failure_mid_stream_ends_in_band_and_health_turns_503():
         assert r.status_code == 503 and r.json()["error"]["code"] == "engine_unavailable"
     finally:
         s.stop()
+
+
+def test_data_parallel_engines_share_the_load():
+    # Two engines of one seat each: two long requests run side by side, none waits.
+    s = fake_server("--data-parallel-size", "2", "--max-num-seqs", "1", "--step-delay", "0.02")
+    try:
+        with httpx.Client(base_url=s.url, timeout=30) as client:
+            streams = [client.stream("POST", "/v1/completions",
+                                     json={"prompt": p, "max_tokens": 50, "stream": True}) for p in ("ab", "cd")]
+            lines = [r.__enter__().iter_lines() for r in streams]
+            firsts = [next_event(it) for it in lines]
+            text = client.get("/metrics").text
+            assert metric(text, "meshserve:num_requests_running") == 2
+            assert metric(text, "meshserve:num_requests_waiting") == 0
+            answers = [completion_text([first, *read_events(it)]) for first, it in zip(firsts, lines)]
+            for r in streams:
+                r.__exit__(None, None, None)
+        assert answers == ["ab" * 25, "cd" * 25]
+        assert s.stop() == 0
+    finally:
+        s.stop()
