@@ -12,7 +12,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 import meshserve
-from meshserve.server.errors import APIError, bad_request, error_body
+from meshserve.server.errors import APIError, bad_request
 from meshserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from meshserve.server.protocol import DetokenizeRequest, TokenizeRequest
 from meshserve.server.serving import ServingContext, parse, read_json

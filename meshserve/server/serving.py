@@ -1,12 +1,14 @@
 """What completions and chat completions share: body parsing, model check, admission, prompt
-tokenization and checks, SamplingParams, logprob formatting, and the generate-and-respond flow."""
+tokenization and checks, SamplingParams, the generate-and-respond flow, and the response base class."""
 from __future__ import annotations
 
 import asyncio
 import functools
 import json
 import time
-from typing import Any, AsyncIterator, Callable, TypeVar
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, TypeVar
 
 from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
@@ -169,10 +171,7 @@ class ServingContext:
 
     # ---- the flow ------------------------------------------------------------------------------
     async def respond(self, request: Request, engine_requests: list[tuple[str, list[int], SamplingParams]],
-                      arrival: float, stream: bool,
-                      collect: Callable[[AsyncIterator[RequestDelta]], Any],
-                      events: Callable[[RequestDelta, AsyncIterator[RequestDelta]], AsyncIterator[bytes]],
-                      ) -> Response:
+                      arrival: float, view: "ResponseView") -> Response:
         """Submit, then either collect everything into one JSON body or stream SSE events.
 
         A stream's headers go out only once the first output is there, so a request the engine
@@ -182,20 +181,86 @@ class ServingContext:
 
         async def run() -> Response:
             try:
-                if not stream:
-                    return JSONBytesResponse(await collect(outputs))
+                if not view.req.stream:
+                    return JSONBytesResponse(await view.collect(outputs))
                 first = await outputs.__anext__()
             except EngineRejectedError as exc:
                 raise from_value_error(exc) from None
             except EngineDeadError as exc:
                 raise APIError(503, str(exc), code="engine_unavailable") from None
-            return EventStreamResponse(events(first, outputs))
+            return EventStreamResponse(view.events(first, outputs))
 
         try:
             return await cancel_on_disconnect(request, run())
         except BaseException:
             await outputs.aclose()
             raise
+
+
+@dataclass
+class Choice:
+    """One choice of a non-streamed answer, gathered from its deltas."""
+    texts: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+    finish_reason: str | None = None
+
+    @property
+    def text(self) -> str:
+        return "".join(self.texts)
+
+
+class ResponseView:
+    """Turns engine deltas into one endpoint's JSON body or SSE chunks (subclasses: the shapes)."""
+
+    object_name = ""  # of the non-streamed body
+    chunk_object_name = ""
+
+    def __init__(self, ctx: ServingContext, req: SamplingFields, response_id: str, request_id: str,
+                 prompt_tokens: int) -> None:
+        self.ctx = ctx
+        self.req = req
+        self.id = response_id
+        self.request_id = request_id  # X-Request-Id, named in an in-band stream failure
+        self.prompt_tokens = prompt_tokens
+        self.created = int(time.time())
+        self.include_usage = req.stream_options is not None and req.stream_options.include_usage
+
+    def choice_index(self, request_id: str, sample_index: int) -> int:
+        return sample_index
+
+    def body(self, choices: list[dict], chunk: bool = False) -> dict:
+        body = {"id": self.id, "object": self.chunk_object_name if chunk else self.object_name,
+                "created": self.created, "model": self.ctx.model_name, "choices": choices}
+        if chunk and self.include_usage:
+            body["usage"] = None
+        return body
+
+    def usage_chunk(self, completion_tokens: int) -> dict:
+        return {**self.body([], chunk=True), "usage": usage(self.prompt_tokens, completion_tokens)}
+
+    async def gather(self, outputs: AsyncIterator[RequestDelta]) -> tuple[dict[int, Choice], int]:
+        """Every choice of the answer, and the number of tokens generated."""
+        choices: dict[int, Choice] = defaultdict(Choice)
+        completion_tokens = 0
+        async for delta in outputs:
+            for s in delta.outputs:
+                c = choices[self.choice_index(delta.request_id, s.index)]
+                c.texts.append(s.text)
+                c.token_ids.extend(s.token_ids)
+                c.logprobs.extend(s.logprobs or ())
+                c.finish_reason = s.finish_reason or c.finish_reason
+                completion_tokens += len(s.token_ids)
+        return choices, completion_tokens
+
+    async def collect(self, outputs: AsyncIterator[RequestDelta]) -> dict:
+        raise NotImplementedError
+
+    def chunks(self, outputs: AsyncIterator[RequestDelta]) -> AsyncIterator[dict]:
+        raise NotImplementedError
+
+    def events(self, first: RequestDelta, outputs: AsyncIterator[RequestDelta]) -> AsyncIterator[bytes]:
+        return sse_stream(self.chunks(_chain(first, outputs)), outputs, self.request_id)
 
 
 async def sse_stream(chunks: AsyncIterator[dict], outputs: AsyncIterator[RequestDelta],
@@ -214,7 +279,7 @@ async def sse_stream(chunks: AsyncIterator[dict], outputs: AsyncIterator[Request
     yield DONE
 
 
-async def chain(first: RequestDelta, rest: AsyncIterator[RequestDelta]) -> AsyncIterator[RequestDelta]:
+async def _chain(first: RequestDelta, rest: AsyncIterator[RequestDelta]) -> AsyncIterator[RequestDelta]:
     yield first
     async for delta in rest:
         yield delta

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections import defaultdict
 from typing import AsyncIterator
 
 from starlette.requests import Request
@@ -12,8 +11,7 @@ from starlette.responses import Response
 from meshserve.server.engine_core import RequestDelta
 from meshserve.server.errors import bad_request
 from meshserve.server.protocol import ChatCompletionRequest, ChatMessage
-from meshserve.server.serving import (ServingContext, chain, clamp_logprob, parse, read_json, sse_stream,
-                                      usage)
+from meshserve.server.serving import ResponseView, ServingContext, clamp_logprob, parse, read_json, usage
 
 
 async def create_chat_completion(ctx: ServingContext, request: Request) -> Response:
@@ -39,9 +37,8 @@ async def create_chat_completion(ctx: ServingContext, request: Request) -> Respo
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = ctx.sampling_params(req, max_tokens, logprobs)
     completion_id = f"chatcmpl-{uuid.uuid4().hex}"
-    view = _ChatView(ctx, req, completion_id, len(ids), request.state.request_id)
-    return await ctx.respond(request, [(completion_id, ids, params)], arrival, req.stream,
-                             view.collect, view.events)
+    view = _ChatView(ctx, req, completion_id, request.state.request_id, len(ids))
+    return await ctx.respond(request, [(completion_id, ids, params)], arrival, view)
 
 
 def _message(m: ChatMessage) -> dict:
@@ -55,15 +52,9 @@ def _message(m: ChatMessage) -> dict:
     return {"role": "system" if m.role == "developer" else m.role, "content": content}
 
 
-class _ChatView:
-    def __init__(self, ctx: ServingContext, req: ChatCompletionRequest, completion_id: str,
-                 prompt_tokens: int, request_id: str) -> None:
-        self.ctx = ctx
-        self.req = req
-        self.id = completion_id
-        self.prompt_tokens = prompt_tokens
-        self.request_id = request_id
-        self.created = int(time.time())
+class _ChatView(ResponseView):
+    object_name = "chat.completion"
+    chunk_object_name = "chat.completion.chunk"
 
     def _logprobs(self, token_ids: list[int], entries) -> dict:
         ctx, num = self.ctx, self.req.top_logprobs or 0
@@ -77,54 +68,26 @@ class _ChatView:
                                              for ts, lp in ctx.top_logprobs(e, num)]})
         return {"content": content}
 
-    def _body(self, obj: str, choices: list[dict]) -> dict:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.ctx.model_name,
-                "choices": choices}
-
     async def collect(self, outputs: AsyncIterator[RequestDelta]) -> dict:
-        texts: dict[int, list[str]] = defaultdict(list)
-        tokens: dict[int, list[int]] = defaultdict(list)
-        entries: dict[int, list] = defaultdict(list)
-        finish: dict[int, str] = {}
-        async for delta in outputs:
-            for s in delta.outputs:
-                texts[s.index].append(s.text)
-                tokens[s.index].extend(s.token_ids)
-                entries[s.index].extend(s.logprobs or ())
-                if s.finish_reason:
-                    finish[s.index] = s.finish_reason
-        choices = [{"index": k, "message": {"role": "assistant", "content": "".join(texts[k])},
-                    "logprobs": self._logprobs(tokens[k], entries[k]) if self.req.logprobs else None,
-                    "finish_reason": finish.get(k)} for k in range(self.req.n)]
-        body = self._body("chat.completion", choices)
-        body["usage"] = usage(self.prompt_tokens, sum(len(t) for t in tokens.values()))
-        return body
+        gathered, completion_tokens = await self.gather(outputs)
+        choices = [{"index": k, "message": {"role": "assistant", "content": gathered[k].text},
+                    "logprobs": self._logprobs(gathered[k].token_ids, gathered[k].logprobs)
+                    if self.req.logprobs else None,
+                    "finish_reason": gathered[k].finish_reason} for k in range(self.req.n)]
+        return {**self.body(choices), "usage": usage(self.prompt_tokens, completion_tokens)}
 
-    async def _chunks(self, outputs: AsyncIterator[RequestDelta]) -> AsyncIterator[dict]:
-        include_usage = self.req.stream_options is not None and self.req.stream_options.include_usage
-
-        def chunk(choices: list[dict]) -> dict:
-            body = self._body("chat.completion.chunk", choices)
-            if include_usage:
-                body["usage"] = None
-            return body
-
+    async def chunks(self, outputs: AsyncIterator[RequestDelta]) -> AsyncIterator[dict]:
         for k in range(self.req.n):
-            yield chunk([{"index": k, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                          "finish_reason": None}])
+            yield self.body([{"index": k, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                              "finish_reason": None}], chunk=True)
         completion_tokens = 0
         async for delta in outputs:
             for s in delta.outputs:
                 completion_tokens += len(s.token_ids)
                 if not s.text and s.finish_reason is None and not self.req.logprobs:
                     continue  # nothing to show yet (e.g. half of a multi-byte character)
-                yield chunk([{"index": s.index, "delta": {"content": s.text} if s.text else {},
-                              "logprobs": self._logprobs(s.token_ids, s.logprobs) if self.req.logprobs else None,
-                              "finish_reason": s.finish_reason}])
-        if include_usage:
-            body = self._body("chat.completion.chunk", [])
-            body["usage"] = usage(self.prompt_tokens, completion_tokens)
-            yield body
-
-    def events(self, first: RequestDelta, outputs: AsyncIterator[RequestDelta]) -> AsyncIterator[bytes]:
-        return sse_stream(self._chunks(chain(first, outputs)), outputs, self.request_id)
+                yield self.body([{"index": s.index, "delta": {"content": s.text} if s.text else {},
+                                  "logprobs": self._logprobs(s.token_ids, s.logprobs) if self.req.logprobs else None,
+                                  "finish_reason": s.finish_reason}], chunk=True)
+        if self.include_usage:
+            yield self.usage_chunk(completion_tokens)

@@ -12,8 +12,7 @@ from starlette.responses import Response
 from meshserve.server.engine_core import RequestDelta
 from meshserve.server.errors import bad_request
 from meshserve.server.protocol import CompletionRequest
-from meshserve.server.serving import (ServingContext, chain, clamp_logprob, parse, read_json, sse_stream,
-                                      usage)
+from meshserve.server.serving import ResponseView, ServingContext, clamp_logprob, parse, read_json, usage
 
 _DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
 
@@ -37,7 +36,7 @@ async def create_completion(ctx: ServingContext, request: Request) -> Response:
         max_tokens = ctx.max_tokens(req.max_tokens, len(ids), _DEFAULT_MAX_TOKENS)
         engine_requests.append((f"{completion_id}-{i}", ids, ctx.sampling_params(req, max_tokens, req.logprobs)))
     view = _CompletionView(ctx, req, completion_id, prompts, request.state.request_id)
-    return await ctx.respond(request, engine_requests, arrival, req.stream, view.collect, view.events)
+    return await ctx.respond(request, engine_requests, arrival, view)
 
 
 async def _prompts(ctx: ServingContext, prompt) -> list[tuple[str | None, list[int]]]:
@@ -53,17 +52,17 @@ async def _prompts(ctx: ServingContext, prompt) -> list[tuple[str | None, list[i
     return [(None, ctx.check_prompt_ids(p)) for p in prompt]
 
 
-class _CompletionView:
+class _CompletionView(ResponseView):
+    object_name = chunk_object_name = "text_completion"
+
     def __init__(self, ctx: ServingContext, req: CompletionRequest, completion_id: str,
                  prompts: list[tuple[str | None, list[int]]], request_id: str) -> None:
-        self.ctx = ctx
-        self.req = req
-        self.id = completion_id
+        super().__init__(ctx, req, completion_id, request_id, sum(len(ids) for _, ids in prompts))
         self.prompts = prompts
-        self.request_id = request_id
-        self.created = int(time.time())
         self.index_base = {f"{completion_id}-{i}": i * req.n for i in range(len(prompts))}
-        self.prompt_tokens = sum(len(ids) for _, ids in prompts)
+
+    def choice_index(self, request_id: str, sample_index: int) -> int:
+        return self.index_base[request_id] + sample_index
 
     def _prompt_text(self, choice: int) -> str:
         text, ids = self.prompts[choice // self.req.n]
@@ -82,44 +81,23 @@ class _CompletionView:
                 "top_logprobs": [dict(ctx.top_logprobs(e, num)) for e in entries],
                 "text_offset": offsets}, offset
 
-    def _body(self, choices: list[dict]) -> dict:
-        return {"id": self.id, "object": "text_completion", "created": self.created,
-                "model": self.ctx.model_name, "choices": choices}
-
     async def collect(self, outputs: AsyncIterator[RequestDelta]) -> dict:
-        texts: dict[int, list[str]] = defaultdict(list)
-        tokens: dict[int, list[int]] = defaultdict(list)
-        entries: dict[int, list] = defaultdict(list)
-        finish: dict[int, str] = {}
-        async for delta in outputs:
-            base = self.index_base[delta.request_id]
-            for s in delta.outputs:
-                k = base + s.index
-                texts[k].append(s.text)
-                tokens[k].extend(s.token_ids)
-                entries[k].extend(s.logprobs or ())
-                if s.finish_reason:
-                    finish[k] = s.finish_reason
+        gathered, completion_tokens = await self.gather(outputs)
         choices = []
         for k in range(len(self.prompts) * self.req.n):
-            text = "".join(texts[k])
-            if self.req.echo:
-                text = self._prompt_text(k) + text
-            logprobs = self._logprobs(tokens[k], entries[k], 0)[0] if self.req.logprobs is not None else None
-            choices.append({"index": k, "text": text, "logprobs": logprobs, "finish_reason": finish.get(k)})
-        body = self._body(choices)
-        body["usage"] = usage(self.prompt_tokens, sum(len(t) for t in tokens.values()))
-        return body
+            c = gathered[k]
+            text = self._prompt_text(k) + c.text if self.req.echo else c.text
+            logprobs = self._logprobs(c.token_ids, c.logprobs, 0)[0] if self.req.logprobs is not None else None
+            choices.append({"index": k, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason})
+        return {**self.body(choices), "usage": usage(self.prompt_tokens, completion_tokens)}
 
-    async def _chunks(self, outputs: AsyncIterator[RequestDelta]) -> AsyncIterator[dict]:
-        include_usage = self.req.stream_options is not None and self.req.stream_options.include_usage
+    async def chunks(self, outputs: AsyncIterator[RequestDelta]) -> AsyncIterator[dict]:
         offsets: dict[int, int] = defaultdict(int)
         echoed: set[int] = set()
         completion_tokens = 0
         async for delta in outputs:
-            base = self.index_base[delta.request_id]
             for s in delta.outputs:
-                k = base + s.index
+                k = self.choice_index(delta.request_id, s.index)
                 completion_tokens += len(s.token_ids)
                 text = s.text
                 if self.req.echo and k not in echoed:
@@ -130,15 +108,7 @@ class _CompletionView:
                     logprobs, offsets[k] = self._logprobs(s.token_ids, s.logprobs, offsets[k])
                 elif not text and s.finish_reason is None:
                     continue  # nothing to show yet (e.g. half of a multi-byte character)
-                chunk = self._body([{"index": k, "text": text, "logprobs": logprobs,
-                                     "finish_reason": s.finish_reason}])
-                if include_usage:
-                    chunk["usage"] = None
-                yield chunk
-        if include_usage:
-            chunk = self._body([])
-            chunk["usage"] = usage(self.prompt_tokens, completion_tokens)
-            yield chunk
-
-    def events(self, first: RequestDelta, outputs: AsyncIterator[RequestDelta]) -> AsyncIterator[bytes]:
-        return sse_stream(self._chunks(chain(first, outputs)), outputs, self.request_id)
+                yield self.body([{"index": k, "text": text, "logprobs": logprobs,
+                                  "finish_reason": s.finish_reason}], chunk=True)
+        if self.include_usage:
+            yield self.usage_chunk(completion_tokens)

@@ -37,17 +37,6 @@ class FakeTokenizer:
 
 
 @dataclass
-class FakeStats:
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    num_prompt_tokens: int
-    num_generation_tokens: int
-
-
-@dataclass
 class _Req:
     request_id: str
     prompt: list[int]
@@ -124,11 +113,13 @@ class FakeEngine:
         if len(o.token_ids) >= p.max_tokens:
             o.finish_reason = "length"
 
-    def get_stats(self) -> FakeStats:
+    def get_stats(self) -> dict:
         blocks = sum(-(-(len(r.prompt) + max(len(o.token_ids) for o in r.outputs)) // BLOCK) * len(r.outputs)
                      for r in self.running)
-        return FakeStats(len(self.running), len(self.waiting), min(1.0, blocks / NUM_BLOCKS), 0, 0,
-                         self.prompt_tokens, self.generation_tokens)
+        return {"num_running": len(self.running), "num_waiting": len(self.waiting),
+                "kv_cache_usage": min(1.0, blocks / NUM_BLOCKS), "prefix_cache_queries": 0,
+                "prefix_cache_hits": 0, "num_prompt_tokens": self.prompt_tokens,
+                "num_generation_tokens": self.generation_tokens}
 
 
 def _copy(o: CompletionOutput) -> CompletionOutput:
