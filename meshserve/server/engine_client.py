@@ -106,6 +106,9 @@ class EngineClient:
             if msg is not None and msg[0] == "ready":
                 return msg[1]
             if msg is not None:  # "fatal": the factory raised
+                if msg[2:] == ("invalid",):
+                    self.shutdown()
+                    raise ValueError(msg[1])
                 problem = f"failed to start:\n{msg[1]}"
                 break
             if not handle.process.is_alive():

@@ -7,7 +7,7 @@ time.monotonic(), the clock the front end computes latency metrics from.
 
 Front end -> engine: a list of ops per message: ("add", AddRequest), ("abort", [ids]), ("shutdown",).
 Engine -> front end: ("ready", info), ("step", timestamp, [RequestDelta], stats),
-("stats", stats), ("reject", request_id, message), ("fatal", message).
+("stats", stats), ("reject", request_id, message), ("fatal", message[, "invalid"]).
 """
 from __future__ import annotations
 
@@ -179,7 +179,11 @@ def run_engine_core(factory: Callable[[], Any], inbox: Connection, outbox: Conne
     engine = None
     try:
         _limit_devices(dp_rank, dp_size)
-        engine = factory()
+        try:
+            engine = factory()
+        except ValueError as exc:  # a configuration the engine refuses: a message, not a traceback
+            outbox.send(("fatal", str(exc), "invalid"))
+            return
         info = {"model_info": dict(engine.model_info), "tokenizer": engine.tokenizer,
                 "config": config_dict(getattr(engine, "config", None))}
         outbox.send(("ready", info))

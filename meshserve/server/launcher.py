@@ -27,7 +27,8 @@ def run_server(engine_config: Any, config: ServerConfig,
     metrics = ServerMetrics(client.stats)
     client.listener = metrics
     info = client.start()
-    # The engine's own view of its configuration (it resolves defaults such as max_model_len).
+    # For /server_info: the configuration as the engine process holds it (the resolved context
+    # length is in model_info).
     reported = info.config or config_dict(engine_config)
     reported = json.loads(json.dumps({**reported, "data_parallel_size": config.data_parallel_size},
                                      default=str))
