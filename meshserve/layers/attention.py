@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from meshserve.layers import cpu_attention
+
 
 @dataclass
 class PrefillSeq:
@@ -66,6 +68,13 @@ class PagedAttention:
         return o.squeeze(0).transpose(0, 1)
 
     def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+        if cpu_attention.usable(q, k_cache):  # reads K/V in place of the gather below
+            lens = meta.decode_mask.view(q.shape[0], -1).sum(-1)
+            return cpu_attention.paged_decode(q, k_cache, v_cache, meta.decode_block_tables, lens,
+                                              self.head_dim ** -0.5)
+        return self._decode_torch(q, k_cache, v_cache, meta)
+
+    def _decode_torch(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         b = q.shape[0]
         kvh, d = self.num_kv_heads, self.head_dim
         # [B, blocks, bs, KVH, D] -> [B, KVH, L, D]; query heads grouped by their KV head, so no repeat.
