@@ -1,16 +1,23 @@
-"""Calibrate this machine, predict the decode step of the embedded model's geometry, and compare
-with a measured step of a plain PyTorch forward pass.
+"""Calibrate this machine, predict the decode step of the embedded model (SmolLM2-135M geometry,
+float32), and compare with the meshserve engine's measured pure decode step at batch 1 and 16.
 
-Tolerance, and why: the step model is a lower bound (bytes over bandwidth, FLOPs over the
-matmul rate, per phase). On a CPU a measured step is slower than that bound, for reasons the
+Tolerance, and why: the step model is a lower bound (bytes over bandwidth, FLOPs over the matmul
+rate, per phase). On a CPU a measured engine step is slower than that bound, for reasons the
 model leaves out on purpose: decode GEMMs with 1-16 rows run well below the square-matmul rate
-the calibration measures, transformers' DynamicCache copies the whole cache every step
-(torch.cat), and eager PyTorch dispatches about a thousand small ops per step. On the 2-core
-machine this was written on, measured / predicted was about 2 at batch 1 and about 3 at batch 16.
-The test accepts 1/1.5 <= measured / predicted <= 5: a prediction well above the measurement
-would mean the calibration is wrong; well below, that the model misses a cost that matters.
-Both sides use one thread's CPU time, so time slices taken by other processes on a shared
-machine count against neither.
+the calibration measures, eager PyTorch dispatches about a thousand small ops per step, paged
+attention gathers each sequence's KV blocks into one tensor, and the engine schedules, samples
+and detokenizes in Python. On the 2-core machine this was written on, busy with other work,
+measured / predicted ranged 1.6-2.9 at batch 1 and 2.9-4.6 at batch 16 over four runs. The test
+accepts 1/1.5 <= measured / predicted <= 6: a prediction well above the measurement would mean
+the calibration is wrong; one far below it, that the model misses a cost that matters or the
+engine grew one (a batch-16 step 1.6-2x slower than seen here fails). 6 rather than 5 because of
+that spread: both sides use one thread's CPU time, so time slices taken by other processes count
+against neither, but their cache and memory traffic still slows the engine's median step more
+than the calibration's best-of runs.
+
+The context is 128 tokens, not more, because the engine really prefills 16 distinct prompts
+first (about 10 s of one core for 2,048 tokens); the transformers reference of
+benchmarks/plan_fidelity.py is left out here for the same reason.
 """
 import time
 
@@ -19,11 +26,12 @@ import torch
 
 from meshserve.plan import get_gpu, get_model
 from meshserve.plan.calibrate import calibrate
-from meshserve.plan.fidelity import compare_decode_steps, torch_reference_timer
+from meshserve.plan.fidelity import EngineStepTimer, compare_decode_steps
 from meshserve.plan.planner import make_perf_model
 
-LOWER, UPPER = 1 / 1.5, 5.0
-CONTEXT = 256
+LOWER, UPPER = 1 / 1.5, 6.0
+BATCHES = [1, 16]
+CONTEXT = 128
 
 
 def smollm_perf(gpu):
@@ -38,7 +46,7 @@ def test_comparison_takes_any_step_timer():
     assert all(p.ratio == pytest.approx(2.0) for p in points)
 
 
-def test_decode_step_prediction_against_pytorch(tmp_path):
+def test_decode_step_prediction_against_engine(tmp_path):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -46,19 +54,20 @@ def test_decode_step_prediction_against_pytorch(tmp_path):
         cal, _ = calibrate(cache, threads=1, cpu_time=True)
         gpu = get_gpu("this-machine", cache)        # the cached entry, as the CLI would use it
         assert gpu.hbm_bandwidth == cal.memory_bandwidth
-        points = compare_decode_steps(smollm_perf(gpu),
-                                      torch_reference_timer(get_model("SmolLM2-135M"),
-                                                            clock=time.thread_time),
-                                      [1, 16], CONTEXT)
+        with EngineStepTimer(get_model("SmolLM2-135M"), max(BATCHES), CONTEXT,
+                             clock=time.thread_time) as engine_step:
+            points = compare_decode_steps(smollm_perf(gpu), engine_step, BATCHES, CONTEXT)
+            with pytest.raises(ValueError, match="the sizes this engine was built for"):
+                engine_step(max(BATCHES) + 1, CONTEXT)
     finally:
         torch.set_num_threads(threads)
     print(f"\ncalibration: {cal.matmul_flops / 1e9:.1f} GFLOP/s, {cal.memory_bandwidth / 1e9:.1f} GB/s")
     for p in points:
         print(f"batch {p.batch:2d} context {p.context}: predicted {p.predicted_s * 1e3:7.1f} ms, "
-              f"measured {p.measured_s * 1e3:7.1f} ms, measured/predicted {p.ratio:.2f} "
+              f"engine {p.measured_s * 1e3:7.1f} ms, measured/predicted {p.ratio:.2f} "
               f"(error {abs(p.ratio - 1) * 100:.0f}%)")
     for p in points:
         assert LOWER <= p.ratio <= UPPER, p
-    # Batching amortises the weight reads in both the model and the measurement.
+    # Batching amortises the weight reads in both the model and the engine.
     assert points[1].predicted_s < 16 * points[0].predicted_s
     assert points[1].measured_s < 16 * points[0].measured_s
