@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing as mp
+import os
 import queue
 import threading
 import time
@@ -55,6 +56,26 @@ class _EngineHandle:
         self.threads: list[threading.Thread] = []
 
 
+def split_gpus(dp_size: int) -> list[str | None]:
+    """CUDA_VISIBLE_DEVICES for each data-parallel engine: the visible GPUs in equal consecutive
+    shares (None: leave it alone, for one engine or a machine without GPUs)."""
+    if dp_size == 1:
+        return [None]
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        devices = [d.strip() for d in visible.split(",") if d.strip()]
+    else:
+        import torch  # counting does not create a CUDA context; the engines start fresh (spawn)
+        devices = [str(i) for i in range(torch.cuda.device_count())]
+    if not devices:
+        return [None] * dp_size
+    if len(devices) < dp_size:
+        raise ValueError(f"--data-parallel-size {dp_size} needs at least {dp_size} GPUs; "
+                         f"{len(devices)} are visible")
+    per = len(devices) // dp_size
+    return [",".join(devices[r * per:(r + 1) * per]) for r in range(dp_size)]
+
+
 @dataclass
 class EngineInfo:
     model_info: dict
@@ -81,11 +102,12 @@ class EngineClient:
         """Spawn the engines and wait until each has loaded its model (blocking)."""
         ctx = mp.get_context("spawn")
         n = len(self._factories)
+        gpus = split_gpus(n)
         for rank, factory in enumerate(self._factories):
             in_r, in_w = ctx.Pipe(duplex=False)
             out_r, out_w = ctx.Pipe(duplex=False)
-            proc = ctx.Process(target=run_engine_core, args=(factory, in_r, out_w, rank, n, self._log_level),
-                               name=f"meshserve-engine-{rank}")
+            proc = ctx.Process(target=run_engine_core, name=f"meshserve-engine-{rank}",
+                               args=(factory, in_r, out_w, rank, n, gpus[rank], self._log_level))
             proc.start()
             in_r.close()  # the child holds these ends now; closing ours lets EOF reach the other side
             out_w.close()

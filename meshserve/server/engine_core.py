@@ -155,22 +155,17 @@ class EngineLoop:
             self.outbox.send(("stats", stats))
 
 
-def _limit_devices(dp_rank: int, dp_size: int) -> None:
+def _limit_devices(dp_size: int, gpus: str | None) -> None:
     """Give each data-parallel engine its own GPUs (or its share of the CPU cores)."""
-    if dp_size <= 1:
-        return
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible:
-        devices = [d for d in visible.split(",") if d.strip()]
-        per = max(1, len(devices) // dp_size)
-        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(devices[dp_rank * per:(dp_rank + 1) * per])
-    import torch
-    if not torch.cuda.is_available():
+    if gpus is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = gpus  # before torch touches CUDA in this process
+    elif dp_size > 1:
+        import torch
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // dp_size))
 
 
 def run_engine_core(factory: Callable[[], Any], inbox: Connection, outbox: Connection,
-                    dp_rank: int = 0, dp_size: int = 1, log_level: str = "info") -> None:
+                    dp_rank: int = 0, dp_size: int = 1, gpus: str | None = None, log_level: str = "info") -> None:
     """Entry point of the engine process (multiprocessing target)."""
     # The front end owns the lifecycle: on SIGTERM it drains first, then tells us to stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -178,7 +173,7 @@ def run_engine_core(factory: Callable[[], Any], inbox: Connection, outbox: Conne
     logging.basicConfig(level=log_level.upper(), format=f"%(levelname)s engine {dp_rank}: %(message)s")
     engine = None
     try:
-        _limit_devices(dp_rank, dp_size)
+        _limit_devices(dp_size, gpus)
         try:
             engine = factory()
         except ValueError as exc:  # a configuration the engine refuses: a message, not a traceback

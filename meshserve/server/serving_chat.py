@@ -86,8 +86,8 @@ class _ChatView(ResponseView):
                 completion_tokens += len(s.token_ids)
                 if not s.text and s.finish_reason is None and not self.req.logprobs:
                     continue  # nothing to show yet (e.g. half of a multi-byte character)
+                logprobs = self._logprobs(s.token_ids, s.logprobs) if self.req.logprobs else None
                 yield self.body([{"index": s.index, "delta": {"content": s.text} if s.text else {},
-                                  "logprobs": self._logprobs(s.token_ids, s.logprobs) if self.req.logprobs else None,
-                                  "finish_reason": s.finish_reason}], chunk=True)
+                                  "logprobs": logprobs, "finish_reason": s.finish_reason}], chunk=True)
         if self.include_usage:
             yield self.usage_chunk(completion_tokens)

@@ -16,6 +16,7 @@ from server_helpers import ServerProcess
 from server_sse import metric, next_event
 
 from meshserve import LLM, SamplingParams
+from meshserve.models.loader import resolve_model
 
 MAX_MODEL_LEN = 256
 KV_BYTES = 64 << 20
@@ -38,6 +39,7 @@ class Stack:
 @pytest.fixture(scope="module")
 def stack():
     """The server, and the offline answers computed with the same settings while the server loads."""
+    resolve_model("default")  # the one-time GGUF conversion, before two processes want it at once
     server = ServerProcess(["-m", "meshserve", "serve", "--max-model-len", str(MAX_MODEL_LEN),
                             "--kv-cache-memory", str(KV_BYTES), "--max-num-seqs", "32",
                             "--max-body-bytes", str(MAX_BODY), "--log-level", "warning"], wait=False)
