@@ -1,6 +1,12 @@
 """Split one step into pipeline micro-batches, so that stage s works on micro-batch m while stage s+1
 works on micro-batch m-1 (GPipe within a step; the scheduler never knows).
 
+Splitting pays only when a micro-batch still keeps the device compute-bound: a stage reads all of its
+weights once per micro-batch, so cutting a memory-bound decode batch in M pieces makes each stage
+read its weights M times for the same tokens. Micro-batches therefore hold at least
+`min_tokens` tokens (about where the device's GEMMs stop being bandwidth-bound), and a small
+decode step runs as one batch that passes through the stages in turn.
+
 Micro-batches have about equal token counts and keep the step's sequence order. A prefill chunk may be
 cut across micro-batches: its later piece reads the earlier piece's K/V from the cache, exactly as
 chunked prefill does across steps, because every stage runs its micro-batches in order. Keeping order
@@ -19,9 +25,13 @@ def num_tokens(step: StepInput) -> int:
     return sum(len(s.token_ids) for s in step.seqs)
 
 
-def split_microbatches(step: StepInput, n: int) -> list[StepInput]:
+# Tokens per micro-batch below which splitting costs more weight reads than the overlap gains.
+MIN_MICROBATCH_TOKENS = {"cpu": 32, "cuda": 256}
+
+
+def split_microbatches(step: StepInput, n: int, min_tokens: int = 1) -> list[StepInput]:
     total = num_tokens(step)
-    n = min(n, total)
+    n = min(n, total // max(1, min_tokens))
     if n <= 1:
         return [step]
     bounds = [round(k * total / n) for k in range(1, n)] + [total]

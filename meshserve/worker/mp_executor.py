@@ -144,6 +144,8 @@ class MultiprocExecutor(Executor):
         store_path = os.path.join(self._tmpdir, "store")
         ctx = _context()
         self.procs, self.conns, self._engine_alive = [], [], []
+        # Stops whatever has started if this object goes away without shutdown() (or start-up fails).
+        self._finalizer = weakref.finalize(self, _stop, self.procs, self.conns, self._engine_alive, self._tmpdir, 0.0)
         for rank in range(world):
             conn, child_conn = ctx.Pipe()
             alive_r, alive_w = ctx.Pipe(duplex=False)
@@ -158,7 +160,6 @@ class MultiprocExecutor(Executor):
             self.procs.append(p)
             self.conns.append(conn)
             self._engine_alive.append(alive_w)
-        self._finalizer = weakref.finalize(self, _stop, self.procs, self.conns, self._engine_alive, self._tmpdir, 0.0)
         self._failure: WorkerFailure | None = None
         self._closed = False
         self.infos = self._gather(range(world))

@@ -14,7 +14,7 @@ from meshserve.config import EngineConfig
 from meshserve.distributed.parallel_state import ParallelState, init_distributed, set_parallel_state
 from meshserve.distributed.timing import RankTiming
 from meshserve.models.loader import ModelSource
-from meshserve.worker.microbatch import num_tokens, split_microbatches
+from meshserve.worker.microbatch import MIN_MICROBATCH_TOKENS, num_tokens, split_microbatches
 from meshserve.worker.model_runner import ModelRunner, StepInput
 
 logger = logging.getLogger("meshserve")
@@ -63,6 +63,7 @@ class Worker:
         self.next_rank = self.ps.rank + tp
         self._inflight: list[tuple[object, torch.Tensor]] = []  # sends still running, with their tensors
         self._profiler = None
+        self.min_microbatch_tokens = MIN_MICROBATCH_TOKENS.get(device.type, 1)
 
     @property
     def info(self) -> dict:
@@ -90,7 +91,7 @@ class Worker:
             # The last stage has replied for the previous step, so its sends are done: this returns at once.
             ps.wait([w for w, _ in self._inflight])
             self._inflight = []
-            pieces = split_microbatches(step, ps.pp_size) if ps.pp_size > 1 else [step]
+            pieces = split_microbatches(step, ps.pp_size, self.min_microbatch_tokens)
             rows = []
             for piece in pieces:
                 hidden = None

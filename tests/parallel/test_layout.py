@@ -79,6 +79,9 @@ def test_microbatches_balance_tokens_and_keep_order_and_sampling():
     assert [s.seq_id for p in pieces for s in p.seqs if s.sample] == [1, 3, 4]  # last piece of seq 1 only
     assert pieces[0].seqs[0].start == 0 and pieces[1].seqs[0].start == 6  # seq 1 continues where it stopped
     assert split_microbatches(step, 1) == [step]
+    # A micro-batch keeps at least min_tokens: small (decode) steps are not cut into bandwidth-bound bits.
+    assert [sum(len(s.token_ids) for s in p.seqs) for p in split_microbatches(step, 3, min_tokens=8)] == [10, 9]
+    assert split_microbatches(step, 3, min_tokens=20) == [step]
     assert len(split_microbatches(StepInput([SeqStep(1, [3], 5, [0], True, None)]), 4)) == 1
 
 
