@@ -86,6 +86,49 @@ class UniProcExecutor(Executor):
         super().shutdown()
 
 
+class DistributedExecutor(Executor):
+    """What the multi-rank executors share: every call goes to every rank, the KV block count is the
+    minimum over ranks, and a failed executor keeps raising its WorkerFailure."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        super().__init__(config)
+        self.sampling_rank = (config.pipeline_parallel_size - 1) * config.tensor_parallel_size
+        self.infos: list[dict] = []  # per rank, from Worker.info
+        self._failure: WorkerFailure | None = None
+        self._closed = False
+
+    def _call_all(self, method: str, *args) -> list:
+        """Worker.method(*args) on every rank; the replies in rank order."""
+        raise NotImplementedError
+
+    def _probe(self) -> None:
+        """Raise WorkerFailure when a rank is gone."""
+        raise NotImplementedError
+
+    def _step_arg(self, step: StepInput):
+        return step
+
+    def num_kv_blocks(self) -> int:
+        return min(self._call_all("num_kv_blocks"))
+
+    def init_kv_cache(self, num_blocks: int) -> None:
+        self._call_all("init_kv_cache", num_blocks)
+
+    def block_bytes(self) -> int:
+        return max(i["block_bytes"] for i in self.infos)
+
+    def execute(self, step: StepInput) -> StepResult:
+        replies = self._call_all("execute", self._step_arg(step))
+        return self._result(replies[self.sampling_rank][0], [timing for _, timing in replies])
+
+    def check_health(self) -> None:
+        if self._failure is not None:
+            raise self._failure
+        if self._closed:
+            raise RuntimeError("the executor has been shut down")
+        self._probe()
+
+
 def make_executor(config: EngineConfig, source: ModelSource, max_model_len: int) -> Executor:
     """Check the layout against the model (ValueError naming the valid sizes), then start the ranks."""
     cfg, tp = source.config, config.tensor_parallel_size

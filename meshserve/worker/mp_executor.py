@@ -33,8 +33,7 @@ import torch
 
 from meshserve.config import EngineConfig
 from meshserve.models.loader import ModelSource
-from meshserve.worker.executor import Executor, WorkerFailure
-from meshserve.worker.model_runner import StepInput, StepResult
+from meshserve.worker.executor import DistributedExecutor, WorkerFailure
 from meshserve.worker.worker import cpu_shares
 
 logger = logging.getLogger("meshserve")
@@ -126,7 +125,7 @@ def _stop(procs: list, conns: list[Connection], engine_alive: list[Connection], 
     shutil.rmtree(tmpdir, ignore_errors=True)
 
 
-class MultiprocExecutor(Executor):
+class MultiprocExecutor(DistributedExecutor):
     def __init__(self, config: EngineConfig, source: ModelSource, max_model_len: int):
         super().__init__(config)
         world = config.world_size
@@ -139,7 +138,6 @@ class MultiprocExecutor(Executor):
         if cores and world > len(cores):
             logger.warning("%d ranks share %d CPU cores: each runs one thread, and ranks on the same core "
                            "take turns", world, len(cores))
-        self.sampling_rank = (config.pipeline_parallel_size - 1) * config.tensor_parallel_size
         self._tmpdir = tempfile.mkdtemp(prefix="meshserve-dist-")
         store_path = os.path.join(self._tmpdir, "store")
         ctx = _context()
@@ -160,13 +158,12 @@ class MultiprocExecutor(Executor):
             self.procs.append(p)
             self.conns.append(conn)
             self._engine_alive.append(alive_w)
-        self._failure: WorkerFailure | None = None
-        self._closed = False
-        self.infos = self._gather(range(world))
+        replies = self._gather(range(world))
+        self.infos = [replies[r] for r in range(world)]
         logger.info("%d worker processes (TP=%d x PP=%d, %s): %s", world, config.tensor_parallel_size,
                     config.pipeline_parallel_size, device.type,
                     "; ".join(f"rank {r} pid {i['pid']} layers {i['layers'][0]}-{i['layers'][-1]} cores "
-                              f"{shares[r] or 'all'}" for r, i in sorted(self.infos.items())))
+                              f"{shares[r] or 'all'}" for r, i in enumerate(self.infos)))
 
     # ---- calls -------------------------------------------------------------------------
     def _broadcast(self, method: str, *args) -> None:
@@ -246,25 +243,7 @@ class MultiprocExecutor(Executor):
             pass
         return None
 
-    # ---- Executor ----------------------------------------------------------------------
-    def num_kv_blocks(self) -> int:
-        return min(self._call_all("num_kv_blocks"))
-
-    def init_kv_cache(self, num_blocks: int) -> None:
-        self._call_all("init_kv_cache", num_blocks)
-
-    def block_bytes(self) -> int:
-        return max(i["block_bytes"] for i in self.infos.values())
-
-    def execute(self, step: StepInput) -> StepResult:
-        replies = self._call_all("execute", step)
-        return self._result(replies[self.sampling_rank][0], [timing for _, timing in replies])
-
-    def check_health(self) -> None:
-        if self._failure is not None:
-            raise self._failure
-        if self._closed:
-            raise RuntimeError("the executor has been shut down")
+    def _probe(self) -> None:
         for rank, p in enumerate(self.procs):
             if not p.is_alive():
                 self._fail(rank)

@@ -17,8 +17,8 @@ from datetime import timedelta
 
 from meshserve.config import EngineConfig
 from meshserve.models.loader import ModelSource
-from meshserve.worker.executor import Executor, WorkerFailure
-from meshserve.worker.model_runner import StepInput, StepResult
+from meshserve.worker.executor import DistributedExecutor, WorkerFailure
+from meshserve.worker.model_runner import StepInput
 
 logger = logging.getLogger("meshserve")
 
@@ -84,7 +84,7 @@ def _gloo_on_interface_of(ip: str) -> None:
             return
 
 
-class RayExecutor(Executor):
+class RayExecutor(DistributedExecutor):
     def __init__(self, config: EngineConfig, source: ModelSource, max_model_len: int):
         super().__init__(config)
         ray = self._ray = _import_ray()
@@ -109,9 +109,6 @@ class RayExecutor(Executor):
             num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0),
             scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=r),
         ).remote() for r in range(world)]
-        self.sampling_rank = (config.pipeline_parallel_size - 1) * config.tensor_parallel_size
-        self._failure: WorkerFailure | None = None
-        self._closed = False
         # Each node's address as the cluster knows it (what the other nodes can reach).
         address = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
         ips = [address[n] for n in self._get([a.node_id.remote() for a in self.actors])]
@@ -152,10 +149,12 @@ class RayExecutor(Executor):
         return [results[r] for r in range(len(refs))]
 
     def _fail(self, rank: int, exc: Exception):
-        died = isinstance(exc, self._ray.exceptions.RayActorError)
-        what = "died" if died else f"failed:\n{exc}"
-        self._failure = WorkerFailure(rank, f"worker rank {rank} (Ray actor) {what}; stopped all "
-                                            f"{len(self.actors)} workers")
+        message = f"worker rank {rank} (Ray actor) %s; stopped all {len(self.actors)} workers"
+        if isinstance(exc, self._ray.exceptions.RayActorError):
+            message = message % "died"
+        else:
+            message = message % "failed" + f". Its error:\n{exc}"
+        self._failure = WorkerFailure(rank, message)
         self._release()
         raise self._failure
 
@@ -170,25 +169,10 @@ class RayExecutor(Executor):
             raise self._failure
         return self._get([a.call.remote(method, *args) for a in self.actors])
 
-    # ---- Executor ----------------------------------------------------------------------
-    def num_kv_blocks(self) -> int:
-        return min(self._call_all("num_kv_blocks"))
+    def _step_arg(self, step: StepInput):
+        return self._ray.put(step)  # stored once, read by every actor
 
-    def init_kv_cache(self, num_blocks: int) -> None:
-        self._call_all("init_kv_cache", num_blocks)
-
-    def block_bytes(self) -> int:
-        return max(i["block_bytes"] for i in self.infos)
-
-    def execute(self, step: StepInput) -> StepResult:
-        replies = self._call_all("execute", self._ray.put(step))
-        return self._result(replies[self.sampling_rank][0], [timing for _, timing in replies])
-
-    def check_health(self) -> None:
-        if self._failure is not None:
-            raise self._failure
-        if self._closed:
-            raise RuntimeError("the executor has been shut down")
+    def _probe(self) -> None:
         self._get([a.node_id.remote() for a in self.actors], timeout=30.0)
 
     def shutdown(self) -> None:
