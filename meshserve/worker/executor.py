@@ -14,9 +14,10 @@ from pathlib import Path
 from meshserve.config import EngineConfig
 from meshserve.distributed.timing import RankTiming, TimingStats, mean_timing
 from meshserve.distributed.validation import check_parallel_layout, kv_heads_replicated
-from meshserve.models.loader import ModelSource
 from meshserve.layers.sampler import SamplerOutput
+from meshserve.models.loader import ModelSource
 from meshserve.worker.model_runner import StepInput, StepResult
+from meshserve.worker.worker import Worker
 
 logger = logging.getLogger("meshserve")
 
@@ -59,8 +60,6 @@ class Executor:
 
 class UniProcExecutor(Executor):
     def __init__(self, config: EngineConfig, source: ModelSource, max_model_len: int):
-        from meshserve.worker.worker import Worker
-
         super().__init__(config)
         self.worker = Worker(config, source, max_model_len)
         self.runner = self.worker.runner

@@ -47,8 +47,8 @@ class Worker:
         if cores:
             pin_to_cores(cores)
         device = device or config.resolved_device()
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
+        if device.type == "cuda" and device.index is not None:
+            torch.cuda.set_device(device)  # NCCL and the caching allocator use the current device
         if store is None:
             self.ps = ParallelState(device=device)
             set_parallel_state(self.ps)

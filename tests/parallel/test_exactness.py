@@ -31,8 +31,8 @@ def test_tp_beyond_kv_heads_replicates_them(tiny_kv2, reference_kv2, caplog):
         # The engine's stats carry every rank's time in the all-reduces into the Prometheus series.
         registry = CollectorRegistry()
         register_parallel_metrics(registry, lambda: llm.engine.get_stats().parallel_timing)
-        reduced = {s.labels["rank"]: s.value for fam in text_string_to_metric_families(generate_latest(registry).decode())
-                   for s in fam.samples
+        families = text_string_to_metric_families(generate_latest(registry).decode())
+        reduced = {s.labels["rank"]: s.value for fam in families for s in fam.samples
                    if s.name == "meshserve:communication_seconds_total" and s.labels["kind"] == "all_reduce"}
         assert set(reduced) == {"0", "1", "2", "3"} and min(reduced.values()) > 0
     finally:
@@ -40,7 +40,16 @@ def test_tp_beyond_kv_heads_replicates_them(tiny_kv2, reference_kv2, caplog):
 
 
 def test_uneven_pipeline_split_and_full_kv_sharding(tiny_kv4, reference_kv4):
-    assert generate_ids(tiny_kv4, pipeline_parallel_size=2, pipeline_split=[3, 5]) == reference_kv4
+    llm = LLM(tiny_kv4, pipeline_parallel_size=2, pipeline_split=[3, 5], **ENGINE_ARGS)
+    try:
+        infos = llm.engine.executor.infos
+        assert [i["layers"] for i in infos] == [[0, 1, 2], [3, 4, 5, 6, 7]]
+        # Each rank fits its own layers' K/V in the budget; the engine uses the smaller block count.
+        assert infos[1]["block_bytes"] > infos[0]["block_bytes"]
+        assert llm.engine.block_manager.num_blocks == ENGINE_ARGS["kv_cache_memory_bytes"] // infos[1]["block_bytes"]
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts(), GREEDY)] == reference_kv4
+    finally:
+        llm.engine.shutdown()
     assert generate_ids(tiny_kv4, tensor_parallel_size=4) == reference_kv4
 
 
