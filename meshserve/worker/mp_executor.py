@@ -80,9 +80,12 @@ def _keep_gloo_on_loopback() -> None:
 
 def _worker_main(rank: int, conn: Connection, engine_alive: Connection, config: EngineConfig,
                  source: ModelSource, max_model_len: int, store_path: str, device: torch.device,
-                 cores: list[int]) -> None:
+                 cores: list[int], environ: dict[str, str]) -> None:
     from meshserve.worker.worker import Worker
 
+    # The forkserver may predate changes to the engine's environment (CUDA_VISIBLE_DEVICES, NCCL_*).
+    os.environ.clear()
+    os.environ.update(environ)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the engine, which stops the ranks
     threading.Thread(target=_exit_with_engine, args=(engine_alive,), daemon=True).start()
     _keep_gloo_on_loopback()
@@ -150,7 +153,7 @@ class MultiprocExecutor(DistributedExecutor):
             rank_device = torch.device("cuda", rank) if device.type == "cuda" else device
             p = ctx.Process(target=_worker_main, name=f"meshserve-rank{rank}", daemon=True,
                             args=(rank, child_conn, alive_r, config, source, max_model_len, store_path,
-                                  rank_device, shares[rank]))
+                                  rank_device, shares[rank], dict(os.environ)))
             with _main_script_hidden():
                 p.start()
             child_conn.close()
