@@ -35,6 +35,7 @@ class EngineConfig:
     pipeline_parallel_size: int = 1
     pipeline_split: list[int] | None = None  # layers per stage; even split when None
     distributed_executor_backend: str = "mp"
+    profile: bool = False  # print where the step time went (compute vs communication) at shutdown
     profile_dir: str | None = None  # torch.profiler traces of the workers go here when set
     extra: dict = field(default_factory=dict, repr=False)
 
@@ -111,7 +112,10 @@ class EngineConfig:
         g.add_argument("--pipeline-split", type=lambda s: [int(x) for x in s.split(",")], default=None,
                        metavar="N,N,...", help="layers per pipeline stage (default: even)")
         g.add_argument("--distributed-executor-backend", default="mp", choices=["mp", "ray"])
-        g.add_argument("--profile-dir", default=None, help="write a torch.profiler trace per worker here")
+        g.add_argument("--profile", action="store_true",
+                       help="at shutdown, print per-rank compute vs communication time (all-reduce, send/recv)")
+        g.add_argument("--profile-dir", default=None,
+                       help="also write a torch.profiler trace per worker and the summary table here")
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "EngineConfig":

@@ -51,4 +51,5 @@ def run(args: argparse.Namespace) -> int:
             else:
                 print(c.text)
     sys.stdout.flush()
+    llm.engine.shutdown()
     return 0

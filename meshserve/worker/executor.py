@@ -9,6 +9,7 @@ rank (last stage, TP rank 0) returns tokens.
 from __future__ import annotations
 
 import logging
+import sys
 from pathlib import Path
 
 from meshserve.config import EngineConfig
@@ -42,12 +43,14 @@ class Executor:
     def check_health(self) -> None: ...
 
     def shutdown(self) -> None:
-        if self.config.profile_dir and self.timing.steps:
-            table = self.timing.table(self.config.tensor_parallel_size)
+        if not (self.config.profile or self.config.profile_dir) or not self.timing.steps:
+            return
+        table = self.timing.table(self.config.tensor_parallel_size)
+        print(f"where the step time went:\n{table}", file=sys.stderr)
+        if self.config.profile_dir:
             out = Path(self.config.profile_dir) / "step_timing.txt"
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_text(table + "\n")
-            logger.info("where the step time went (also in %s):\n%s", out, table)
 
     def timing_snapshot(self) -> dict:
         return self.timing.snapshot()
