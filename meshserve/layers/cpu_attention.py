@@ -7,16 +7,17 @@ is one sequence: each cached token's K/V row (all KV heads) is read once, as one
 and serves every query head of its group (grouped-query attention).
 
 The extension is built with torch's cpp_extension into the meshserve cache directory and reused
-across runs; the build name carries a hash of the source, the compiler flags and the torch
-version, so machines with different CPUs can share a cache directory. When the build fails (no
-compiler) or MESHSERVE_DISABLE_CPU_KERNELS=1, `available()` is False and callers keep the
-PyTorch path.
+across runs; the build name carries a hash of the source, the compiler flags and the torch and
+Python versions, so machines with different CPUs can share a cache directory. When the build
+fails (no compiler) or MESHSERVE_DISABLE_CPU_KERNELS=1, `available()` is False and callers keep
+the PyTorch path.
 """
 from __future__ import annotations
 
 import hashlib
 import logging
 import os
+import sys
 import threading
 
 import torch
@@ -140,12 +141,21 @@ def _build():
 
     # -fopenmp makes at::parallel_for use torch's OpenMP pool (same libgomp, already loaded).
     cflags = ["-O3", "-fopenmp", *_cpu_flags()]
-    key = hashlib.sha256("\0".join([_SOURCE, *cflags, torch.__version__]).encode()).hexdigest()[:16]
+    parts = [_SOURCE, *cflags, torch.__version__, sys.version.split()[0]]  # the module links this Python
+    key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
     name = f"meshserve_paged_decode_{key}"
     build_dir = cache_dir() / "torch_extensions" / name
     build_dir.mkdir(parents=True, exist_ok=True)
+    if not any(build_dir.glob("*.so")):
+        logger.info("building the CPU attention kernel in %s (once; about a minute)", build_dir)
     return load_inline(name=name, cpp_sources=[_SOURCE], functions=["paged_decode"],
                        extra_cflags=cflags, extra_ldflags=["-fopenmp"], build_directory=str(build_dir))
+
+
+def _reason(e: Exception) -> str:
+    """The compiler's own complaint rather than ninja's closing line."""
+    lines = [line for line in str(e).strip().splitlines() if line and not line.startswith("ninja:")]
+    return lines[-1] if lines else type(e).__name__
 
 
 def available() -> bool:
@@ -159,8 +169,7 @@ def available() -> bool:
                 try:
                     _module = _build()
                 except Exception as e:  # no compiler, no ninja, failed build: the PyTorch path still works
-                    logger.warning("CPU attention kernel unavailable, using the PyTorch path: %s",
-                                   str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__)
+                    logger.warning("CPU attention kernel unavailable, using the PyTorch path: %s", _reason(e))
                 _tried = True
     return _module is not None
 
