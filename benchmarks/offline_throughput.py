@@ -71,16 +71,21 @@ def run_transformers(model_dir: str, prompts, out_len: int) -> float:
 _VLLM_SCRIPT = textwrap.dedent("""
     import json, sys, time
     from vllm import LLM, SamplingParams
-    cfg = json.load(open(sys.argv[1]))
-    llm = LLM(cfg["model"], dtype="float32", max_model_len=cfg["max_model_len"], enforce_eager=False)
-    prompts = [{"prompt_token_ids": p} for p in cfg["prompts"]]
-    sp = SamplingParams(temperature=0, max_tokens=cfg["out_len"], ignore_eos=True)
-    llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
-    t = time.perf_counter()
-    outs = llm.generate(prompts, sp)
-    elapsed = time.perf_counter() - t
-    assert all(len(o.outputs[0].token_ids) == cfg["out_len"] for o in outs)
-    print("ELAPSED", elapsed)
+
+    def main():
+        cfg = json.load(open(sys.argv[1]))
+        llm = LLM(cfg["model"], dtype="float32", max_model_len=cfg["max_model_len"])
+        prompts = [{"prompt_token_ids": p} for p in cfg["prompts"]]
+        sp = SamplingParams(temperature=0, max_tokens=cfg["out_len"], ignore_eos=True)
+        llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+        t = time.perf_counter()
+        outs = llm.generate(prompts, sp)
+        elapsed = time.perf_counter() - t
+        assert all(len(o.outputs[0].token_ids) == cfg["out_len"] for o in outs)
+        print("ELAPSED", elapsed, flush=True)
+
+    if __name__ == "__main__":  # vLLM starts its engine core with spawn
+        main()
 """)
 
 
