@@ -58,8 +58,9 @@ def serve_flags(a: argparse.Namespace) -> list[str]:
     return [x for k, v in engine_settings(a).items() for x in (names.get(k, "--" + k.replace("_", "-")), str(v))]
 
 
-def random_prompts(a: argparse.Namespace, vocab_size: int) -> list[list[int]]:
-    rng = random.Random(a.seed)
+def random_prompts(a: argparse.Namespace, vocab_size: int, round_: int) -> list[list[int]]:
+    """Fresh prompts each round, so no run is helped by the prefix cache of an earlier one."""
+    rng = random.Random(a.seed * 1000 + round_)
     low = min(1000, vocab_size // 2)  # skip the special tokens at the start of the vocabulary
     return [[rng.randrange(low, vocab_size) for _ in range(a.input_len)] for _ in range(a.num_prompts)]
 
@@ -139,13 +140,14 @@ def main() -> int:
 
     a = parse_args()
     llm = LLM(a.model, **engine_settings(a))
-    prompts = random_prompts(a, llm.get_tokenizer().vocab_size)
+    vocab_size = llm.get_tokenizer().vocab_size
     llm.generate([[1000 + i for i in range(8)]], SamplingParams(temperature=0, max_tokens=2))  # warm-up
     proc, base = start_server(a)
     runs: dict[str, list[tuple[float, int]]] = {"offline": [], "server": []}
     try:
         # Alternate the two so that drifting load on the machine hits both alike; keep the best of each.
-        for _ in range(a.repeats):
+        for round_ in range(a.repeats):
+            prompts = random_prompts(a, vocab_size, round_)
             runs["offline"].append(run_offline(llm, prompts, a))
             runs["server"].append(asyncio.run(_drive(base + "/v1/completions", prompts, a)))
     finally:
