@@ -47,7 +47,6 @@ class RequestDelta:
     request_id: str
     outputs: list[SampleDelta]
     finished: bool
-    num_cached_tokens: int = 0
 
 
 def build_llm_engine(config) -> Any:
@@ -95,8 +94,7 @@ class DeltaTracker:
             sent[c.index] = (len(c.token_ids), end)
         if out.finished:
             self.forget(out.request_id)
-        cached = out.metrics.num_cached_prompt_tokens if out.metrics is not None else 0
-        return RequestDelta(out.request_id, samples, out.finished, cached)
+        return RequestDelta(out.request_id, samples, out.finished)
 
 
 class EngineLoop:
@@ -165,7 +163,8 @@ def _limit_devices(dp_size: int, gpus: str | None) -> None:
 
 
 def run_engine_core(factory: Callable[[], Any], inbox: Connection, outbox: Connection,
-                    dp_rank: int = 0, dp_size: int = 1, gpus: str | None = None, log_level: str = "info") -> None:
+                    dp_rank: int = 0, dp_size: int = 1, gpus: str | None = None,
+                    log_level: str = "info") -> None:
     """Entry point of the engine process (multiprocessing target)."""
     # The front end owns the lifecycle: on SIGTERM it drains first, then tells us to stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -21,7 +21,7 @@ from meshserve.models.loader import resolve_model
 MAX_MODEL_LEN = 256
 KV_BYTES = 64 << 20
 MAX_BODY = 256 * 1024
-MAX_TOKENS = 6
+MAX_TOKENS = 5
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
 PROMPT = "The capital of France is"
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
