@@ -12,6 +12,7 @@ import importlib.util
 import json
 import logging
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -171,14 +172,19 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
             w = _unpermute_rope(w, cfg.num_key_value_heads)
         tensors[name] = torch.from_numpy(np.ascontiguousarray(w))
     cfg.tie_word_embeddings = "lm_head.weight" not in tensors
-    tmp = out_dir.with_name(out_dir.name + ".partial")
+    # Each process converts into its own folder and renames it into place: two servers starting at
+    # once on a fresh machine must not write into the same files.
+    tmp = out_dir.with_name(f"{out_dir.name}.partial-{os.getpid()}")
     tmp.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(tmp / "model.safetensors"))
     (tmp / "config.json").write_text(json.dumps(cfg.to_hf_config(), indent=1))
     Tokenizer.from_gguf_fields(fields).save_hf(tmp)
     (tmp / "generation_config.json").write_text(json.dumps(
         {"bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id}))
-    tmp.replace(out_dir) if not out_dir.exists() else None
+    try:
+        tmp.rename(out_dir)
+    except OSError:  # another process finished first: its copy is identical
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _gguf_source(gguf_path: Path, model_id: str) -> ModelSource:

@@ -299,6 +299,10 @@ class EngineClient:
                 self.abort(pending)
 
     # ---- stats --------------------------------------------------------------------------------
+    def parallel_timing(self) -> dict | None:
+        """Per-rank step timing of the first engine (rank labels of several replicas would collide)."""
+        return self._engines[0].stats.get("parallel_timing") if self._engines else None
+
     def stats(self) -> dict:
         """Engine stats summed over engines (KV usage averaged)."""
         merged: dict[str, float] = {}

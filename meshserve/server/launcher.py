@@ -8,6 +8,7 @@ import logging
 import signal
 from typing import Any, Callable, Sequence
 
+from meshserve.distributed.timing import register_parallel_metrics
 from meshserve.server.engine_client import EngineClient
 from meshserve.server.engine_core import build_llm_engine, config_dict
 from meshserve.server.metrics import ServerMetrics
@@ -25,6 +26,7 @@ def run_server(engine_config: Any, config: ServerConfig,
         factories = [functools.partial(build_llm_engine, engine_config)] * config.data_parallel_size
     client = EngineClient(factories, log_level=config.log_level)
     metrics = ServerMetrics(client.stats)
+    register_parallel_metrics(metrics.registry, client.parallel_timing)
     client.listener = metrics
     info = client.start()
     # For /server_info: the configuration as the engine process holds it (the resolved context

@@ -50,6 +50,11 @@ def test_server_with_tensor_parallel_matches_offline_tp1(tiny_kv2):
         r = httpx.post(url + "/v1/completions", json=body, timeout=60)
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["text"] == expected
+        # Where the time went, per rank, reaches /metrics (labels: rank and collective, never a request).
+        metrics = httpx.get(url + "/metrics", timeout=10).text
+        comm = [l for l in metrics.splitlines() if l.startswith("meshserve:communication_seconds_total{")]
+        assert any('rank="1"' in l and 'kind="all_reduce"' in l for l in comm), comm
+        assert 'meshserve:step_compute_seconds{rank="0"}' in metrics
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
