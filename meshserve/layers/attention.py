@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from meshserve.layers import cpu_attention
+from meshserve.layers import cpu_kernels
 
 
 @dataclass
@@ -31,6 +31,7 @@ class AttentionMetadata:
     num_prefill_tokens: int
     decode_block_tables: torch.Tensor | None = None  # [B, max_blocks]
     decode_mask: torch.Tensor | None = None  # [B, 1, 1, max_blocks * block_size] True = attend
+    decode_context_lens: torch.Tensor | None = None  # [B] tokens each decode attends to, its own included
 
 
 class PagedAttention:
@@ -68,10 +69,9 @@ class PagedAttention:
         return o.squeeze(0).transpose(0, 1)
 
     def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
-        if cpu_attention.usable(q, k_cache):  # reads K/V in place of the gather below
-            lens = meta.decode_mask.view(q.shape[0], -1).sum(-1)
-            return cpu_attention.paged_decode(q, k_cache, v_cache, meta.decode_block_tables, lens,
-                                              self.head_dim ** -0.5)
+        if cpu_kernels.usable(q, k_cache):  # reads K/V in place of the gather below
+            return cpu_kernels.paged_decode(q, k_cache, v_cache, meta.decode_block_tables,
+                                            meta.decode_context_lens, self.head_dim ** -0.5)
         return self._decode_torch(q, k_cache, v_cache, meta)
 
     def _decode_torch(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:

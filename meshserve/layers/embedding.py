@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshserve.distributed.parallel_state import get_parallel_state
+from meshserve.layers.cpu_gemm import PrepackedMatmul
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -33,11 +34,11 @@ class VocabParallelEmbedding(nn.Module):
         return get_parallel_state().all_reduce(y)
 
 
-class ParallelLMHead(VocabParallelEmbedding):
+class ParallelLMHead(PrepackedMatmul, VocabParallelEmbedding):
     """Logits for the rows given; each rank computes its vocabulary slice, then one all-gather."""
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight)
+        logits = self.matmul(hidden)
         if self.tp_size > 1:
             logits = get_parallel_state().all_gather_last_dim(logits)
         return logits[..., : self.vocab_size]

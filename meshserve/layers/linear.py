@@ -10,13 +10,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshserve.distributed.parallel_state import get_parallel_state
+from meshserve.layers.cpu_gemm import PrepackedMatmul
 
 
 def _plain_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
     param.data.copy_(loaded)
 
 
-class ColumnParallelLinear(nn.Module):
+class ColumnParallelLinear(PrepackedMatmul, nn.Module):
     """y = x W^T with W's output rows split across ranks; no communication."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
@@ -38,7 +39,7 @@ class ColumnParallelLinear(nn.Module):
         param.data.copy_(loaded.narrow(0, self.tp_rank * n, n))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.matmul(x, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -79,7 +80,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         param.data.narrow(0, offset, size).copy_(loaded.narrow(0, start, size))
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(PrepackedMatmul, nn.Module):
     """y = x W^T with W's input columns split across ranks; one all-reduce sums the partial outputs."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
@@ -101,6 +102,6 @@ class RowParallelLinear(nn.Module):
         param.data.copy_(loaded.narrow(1, self.tp_rank * n, n))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = self.matmul(x)
         y = get_parallel_state().all_reduce(y)
         return y + self.bias if self.bias is not None else y

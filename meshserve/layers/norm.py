@@ -3,6 +3,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from meshserve.layers import cpu_kernels
+
 
 class RMSNorm(nn.Module):
     def __init__(self, hidden: int, eps: float):
@@ -10,7 +12,20 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden), requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """norm(x); with `residual`, (norm(x + residual), x + residual): the residual add of the
+        previous sub-layer fused into this norm, as the decoder layers use it."""
+        if x.dim() == 2 and cpu_kernels.usable(x, self.weight):
+            if residual is None:
+                return cpu_kernels.rms_norm(x, self.weight, self.eps)
+            residual = residual.contiguous()
+            return cpu_kernels.rms_norm(x, self.weight, self.eps, residual), residual
+        if residual is None:
+            return self._norm(x)
+        x = x + residual
+        return self._norm(x), x
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x32 = x.float()  # the variance in float32 even for bf16 activations
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)

@@ -6,6 +6,8 @@ import math
 import torch
 from torch import nn
 
+from meshserve.layers import cpu_kernels
+
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     factor = scaling["factor"]
@@ -52,3 +54,15 @@ class RotaryEmbedding(nn.Module):
         cos = self.cos[positions].unsqueeze(1).to(q.dtype)
         sin = self.sin[positions].unsqueeze(1).to(q.dtype)
         return q * cos + self._rotate_half(q) * sin, k * cos + self._rotate_half(k) * sin
+
+    def apply_qkv(self, positions: torch.Tensor, qkv: torch.Tensor, num_heads: int, num_kv_heads: int):
+        """Split a fused QKV projection [T, (H + 2 KVH) D] into q [T, H, D], k and v [T, KVH, D],
+        with q and k rotated (in place in qkv on the CPU kernel path)."""
+        t, d = qkv.shape[0], self.cos.shape[-1]
+        if cpu_kernels.usable(qkv, self.cos) and qkv.stride(-1) == 1:
+            cpu_kernels.rotary_(qkv, positions, self.cos, self.sin, num_heads + num_kv_heads, d)
+            q, k, v = qkv.split([num_heads * d, num_kv_heads * d, num_kv_heads * d], dim=-1)
+            return q.view(t, num_heads, d), k.view(t, num_kv_heads, d), v.view(t, num_kv_heads, d)
+        q, k, v = qkv.split([num_heads * d, num_kv_heads * d, num_kv_heads * d], dim=-1)
+        q, k = self(positions, q.view(t, num_heads, d), k.view(t, num_kv_heads, d))
+        return q, k, v.view(t, num_kv_heads, d)

@@ -7,6 +7,7 @@ from torch import nn
 
 from meshserve.distributed.parallel_state import get_parallel_state
 from meshserve.distributed.validation import resolve_pipeline_split
+from meshserve.layers import cpu_kernels
 from meshserve.layers.attention import AttentionMetadata, PagedAttention
 from meshserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from meshserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -27,12 +28,9 @@ class LlamaAttention(nn.Module):
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim)
 
     def forward(self, positions, h, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
-        t, d = h.shape[0], self.head_dim
-        q, k, v = self.qkv_proj(h).split(
-            [self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], dim=-1)
-        q, k = self.rotary(positions, q.view(t, self.num_heads, d), k.view(t, self.num_kv_heads, d))
-        o = self.attn(q, k, v.view(t, self.num_kv_heads, d), kv_cache[0], kv_cache[1], meta)
-        return self.o_proj(o.reshape(t, self.num_heads * d))
+        q, k, v = self.rotary.apply_qkv(positions, self.qkv_proj(h), self.num_heads, self.num_kv_heads)
+        o = self.attn(q, k, v, kv_cache[0], kv_cache[1], meta)
+        return self.o_proj(o.reshape(h.shape[0], self.num_heads * self.head_dim))
 
 
 class LlamaMLP(nn.Module):
@@ -42,7 +40,10 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if cpu_kernels.usable(gate_up):
+            return self.down_proj(cpu_kernels.silu_and_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -54,9 +55,17 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = LlamaMLP(cfg)
 
-    def forward(self, positions, h, kv_cache, meta):
-        h = h + self.self_attn(positions, self.input_layernorm(h), kv_cache, meta)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, positions, h, residual, kv_cache, meta):
+        """Takes and returns the pair (sub-layer output, residual stream) whose sum is the layer's
+        hidden state; each norm adds the pending output into the stream as it normalises.
+        residual None: h is the whole hidden state (first layer of a stage)."""
+        if residual is None:
+            residual, h = h, self.input_layernorm(h)
+        else:
+            h, residual = self.input_layernorm(h, residual)
+        h = self.self_attn(positions, h, kv_cache, meta)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 def stage_layers(num_layers: int, pp_size: int, pp_rank: int, split: list[int] | None = None) -> range:
@@ -88,10 +97,14 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids, positions, kv_caches, meta, hidden=None) -> torch.Tensor:
         """First stage takes token ids, later stages the previous stage's hidden states. Returns the
         hidden states after this stage's layers (final-normed on the last stage)."""
-        h = self.embed_tokens(input_ids) if self.is_first else hidden
+        # A later stage's input becomes its residual stream, which the fused norms update in place.
+        h = self.embed_tokens(input_ids) if self.is_first else hidden.clone()
+        residual = None
         for i, layer in self.layers.items():
-            h = layer(positions, h, kv_caches[int(i) - self.layer_range.start], meta)
-        return self.norm(h) if self.is_last else h
+            h, residual = layer(positions, h, residual, kv_caches[int(i) - self.layer_range.start], meta)
+        if residual is None:  # a stage without layers
+            return self.norm(h) if self.is_last else h
+        return self.norm(h, residual)[0] if self.is_last else h + residual
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

@@ -10,6 +10,7 @@ import torch
 from meshserve.config import CPU_DEFAULT_KV_BYTES, EngineConfig
 from meshserve.distributed.parallel_state import get_parallel_state
 from meshserve.distributed.timing import RankTiming
+from meshserve.layers.cpu_gemm import prepack_model
 from meshserve.layers.attention import AttentionMetadata, PrefillSeq
 from meshserve.layers.rotary import RotaryEmbedding
 from meshserve.layers.sampler import Sampler, SamplerOutput
@@ -75,6 +76,7 @@ class ModelRunner:
         for m in self.model.modules():
             if isinstance(m, RotaryEmbedding):
                 m.float()  # rotary tables stay float32: large positions lose precision in bf16
+        prepack_model(self.model)
         self.sampler = Sampler(config.seed, self.device) if self.ps.is_last_stage and self.ps.tp_rank == 0 else None
         attn = next(iter(self.model.layers.values())).self_attn
         self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
@@ -145,6 +147,7 @@ class ModelRunner:
             lens = torch.tensor([s.start + 1 for s in decodes], device=dev)
             meta.decode_block_tables = tables
             meta.decode_mask = (torch.arange(width * bs, device=dev)[None, :] < lens[:, None])[:, None, None, :]
+            meta.decode_context_lens = lens
         # Row of the last token of each sequence that samples, in the original order.
         last_row, row = {}, 0
         for s in ordered:

@@ -1,0 +1,43 @@
+"""Small-batch float32 matmuls on CPU through oneDNN, with weights packed once at load time.
+
+With a handful of rows (decode steps: one row per running sequence) MKL's sgemm, which
+`F.linear` calls, re-lays out the weight on every call; oneDNN reading a weight packed in advance
+into its own blocked layout ran these shapes 1.2-2x faster here (the LM head up to 3x). From a
+few hundred rows on (prefill chunks) MKL is as fast or faster, so those keep `F.linear`. The
+packed copy costs one more copy of each linear weight in host memory.
+MESHSERVE_DISABLE_CPU_KERNELS=1 turns it off.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+PACKED_MAX_ROWS = 128  # measured crossover (benchmarks/offline_throughput.py geometry): ~150-250 rows
+
+
+def _enabled(weight: torch.Tensor) -> bool:
+    return (weight.device.type == "cpu" and weight.dtype == torch.float32 and torch.backends.mkldnn.is_available()
+            and os.environ.get("MESHSERVE_DISABLE_CPU_KERNELS") != "1")
+
+
+class PrepackedMatmul:
+    """Mixin for modules holding a `weight` [out, in] used as x @ weight^T."""
+
+    _packed: torch.Tensor | None = None
+
+    def prepack(self) -> None:
+        """Call after the weights are loaded and on their final device and dtype."""
+        self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach()) if _enabled(self.weight) else None
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self._packed is not None and x.dim() == 2 and x.shape[0] <= PACKED_MAX_ROWS:
+            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self._packed, bias, "none", [], "")
+        return F.linear(x, self.weight, bias)
+
+
+def prepack_model(model: torch.nn.Module) -> None:
+    for m in model.modules():
+        if isinstance(m, PrepackedMatmul):
+            m.prepack()

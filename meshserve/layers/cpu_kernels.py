@@ -1,0 +1,125 @@
+"""CPU kernels for the float32 path, in C++ compiled on first use (source: csrc/cpu_kernels.cpp).
+
+- `paged_decode`: decode attention reading K/V straight from the paged cache. The PyTorch path
+  gathers every sequence's blocks into a padded copy before SDPA, which on CPU triples the memory
+  traffic of attention. One task is one sequence: each cached token's K/V row (all KV heads) is
+  read once, as one contiguous run, and serves every query head of its group.
+- `rms_norm` (with the residual add fused in), `silu_and_mul` and `rotary_`: one pass over the
+  activations each, where the PyTorch formulas make several.
+
+The extension is built with torch's cpp_extension into the meshserve cache directory and reused
+across runs; the build name carries a hash of the source, the compiler flags and the torch and
+Python versions, so machines with different CPUs can share a cache directory. When the build
+fails (no compiler) or MESHSERVE_DISABLE_CPU_KERNELS=1, `available()` is False and callers keep
+the PyTorch path.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import sys
+import threading
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_SOURCE_PATH = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
+_FUNCTIONS = ["paged_decode", "rms_norm", "silu_and_mul", "rotary_"]
+
+
+_lock = threading.Lock()
+_module = None
+_tried = False
+
+
+def _cpu_flags() -> list[str]:
+    """AVX2/FMA only when this CPU has them; never -march=native, whose output a machine with
+    another CPU sharing the cache directory could not run (the flags are part of the build name)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            words = next((line.split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        words = []
+    return ["-mavx2", "-mfma"] if {"avx2", "fma"} <= set(words) else []
+
+
+def _build():
+    from torch.utils.cpp_extension import load_inline
+
+    from meshserve.models.loader import cache_dir
+
+    # -fopenmp makes at::parallel_for use torch's OpenMP pool (same libgomp, already loaded).
+    # Without trapping math (as torch itself is built) GCC vectorises loops with clamps in them.
+    cflags = ["-O3", "-fopenmp", "-fno-trapping-math", "-fno-math-errno", *_cpu_flags()]
+    source = _SOURCE_PATH.read_text()
+    parts = [source, *cflags, torch.__version__, sys.version.split()[0]]  # the module links this Python
+    key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
+    name = f"meshserve_cpu_kernels_{key}"
+    build_dir = cache_dir() / "torch_extensions" / name
+    build_dir.mkdir(parents=True, exist_ok=True)
+    if not any(build_dir.glob("*.so")):
+        logger.info("building the CPU kernels in %s (once; about a minute)", build_dir)
+    return load_inline(name=name, cpp_sources=[source], functions=_FUNCTIONS,
+                       extra_cflags=cflags, extra_ldflags=["-fopenmp"], build_directory=str(build_dir))
+
+
+def _reason(e: Exception) -> str:
+    """The compiler's own complaint rather than ninja's closing line."""
+    lines = [line for line in str(e).strip().splitlines() if line and not line.startswith("ninja:")]
+    return lines[-1] if lines else type(e).__name__
+
+
+def available() -> bool:
+    """True when the kernel is compiled (building it on the first call) and not disabled."""
+    global _module, _tried
+    if os.environ.get("MESHSERVE_DISABLE_CPU_KERNELS") == "1":
+        return False
+    if not _tried:
+        with _lock:
+            if not _tried:
+                try:
+                    _module = _build()
+                except Exception as e:  # no compiler, no ninja, failed build: the PyTorch path still works
+                    logger.warning("CPU kernels unavailable, using the PyTorch path: %s", _reason(e))
+                _tried = True
+    return _module is not None
+
+
+def usable(*tensors: torch.Tensor) -> bool:
+    """The kernels take float32 CPU tensors only."""
+    return all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors) and available()
+
+
+def _kernels():
+    if not available():
+        raise RuntimeError("the CPU kernels are not available")
+    return _module
+
+
+def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                 context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """q: [B, H, D]; caches: [num_blocks, block_size, KVH, D]; block_tables: [B, max_blocks];
+    context_lens: [B] tokens each sequence attends to (its new token included). Returns [B, H, D]."""
+    return _kernels().paged_decode(q.contiguous(), k_cache.contiguous(), v_cache.contiguous(),
+                                block_tables.to(torch.long).contiguous(), context_lens.to(torch.long).contiguous(),
+                                float(scale))
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """weight * x / rms(x) over rows of x [T, H]. With `residual`, normalises x + residual and
+    stores that sum into `residual` in place."""
+    return _kernels().rms_norm(x, weight, residual, eps)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[T, 2I] (gate, then up) -> silu(gate) * up, [T, I]."""
+    return _kernels().silu_and_mul(gate_up)
+
+
+def rotary_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int,
+            head_dim: int) -> None:
+    """Rotate-half RoPE, in place, on the first `num_heads` heads of each row of x [T, >= num_heads * D]."""
+    _kernels().rotary_(x, positions, cos, sin, num_heads, head_dim)

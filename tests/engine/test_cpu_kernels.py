@@ -1,0 +1,242 @@
+"""The CPU kernels (paged decode attention, fused RMSNorm, SiLU-and-multiply, rotary) and the
+pre-packed small-batch matmuls equal their PyTorch formulas; the callers fall back to PyTorch when
+the kernels are disabled, unavailable or given tensors they do not handle; and an engine with all
+of them on generates what one with all of them off generates."""
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from meshserve.layers import cpu_kernels
+from meshserve.layers.attention import AttentionMetadata, PagedAttention
+
+BLOCK = 16
+HEAD_DIM = 64
+
+
+def _case(lens, heads, kv_heads, table_kind, seed=0, head_dim=HEAD_DIM):
+    g = torch.Generator().manual_seed(seed)
+    width = -(-max(lens) // BLOCK) + 1  # one spare column: tables are padded past the longest sequence
+    num_blocks = len(lens) * width + 3
+    k_cache = torch.randn(num_blocks, BLOCK, kv_heads, head_dim, generator=g)
+    v_cache = torch.randn(num_blocks, BLOCK, kv_heads, head_dim, generator=g)
+    if table_kind == "scattered":
+        tables = torch.randperm(num_blocks, generator=g)[:len(lens) * width].view(len(lens), width)
+    elif table_kind == "shared_prefix":  # every sequence starts with the same two blocks, as after a prefix hit
+        tables = torch.randperm(num_blocks, generator=g)[:len(lens) * width].view(len(lens), width)
+        tables[:, :2] = tables[0, :2]
+    else:  # "padded": blocks past each sequence's length are 0, as the model runner pads them
+        tables = torch.arange(len(lens) * width).view(len(lens), width)
+        for i, n in enumerate(lens):
+            tables[i, -(-n // BLOCK):] = 0
+    lens_t = torch.tensor(lens)
+    mask = (torch.arange(width * BLOCK)[None, :] < lens_t[:, None])[:, None, None, :]
+    q = torch.randn(len(lens), heads, head_dim, generator=g)
+    meta = AttentionMetadata(torch.empty(0, dtype=torch.long), [], 0, tables, mask, lens_t)
+    return q, k_cache, v_cache, meta, lens_t
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernel():
+    assert cpu_kernels.available(), "the C++ kernel must build here (g++ and ninja are installed)"
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (9, 3), (8, 2)])  # GQA ratios 1, 3 and 4
+@pytest.mark.parametrize("table_kind", ["scattered", "shared_prefix", "padded"])
+@pytest.mark.parametrize("head_dim", [64, 128, 72])  # the two compiled-in sizes, and a run-time one with a tail
+def test_kernel_equals_pytorch_path(heads, kv_heads, table_kind, head_dim):
+    lens = [1, 2, 15, 16, 17, 32, 33, 47, 100, 321]  # single token, either side of block boundaries, long
+    q, k_cache, v_cache, meta, lens_t = _case(lens, heads, kv_heads, table_kind, heads + kv_heads, head_dim)
+    attn = PagedAttention(heads, kv_heads, head_dim)
+    expected = attn._decode_torch(q, k_cache, v_cache, meta)
+    got = cpu_kernels.paged_decode(q, k_cache, v_cache, meta.decode_block_tables, lens_t, head_dim ** -0.5)
+    assert got.shape == expected.shape
+    assert (got - expected).abs().max().item() < 1e-5
+    # A single-token context attends to exactly its own V row.
+    first_block = meta.decode_block_tables[0, 0]
+    torch.testing.assert_close(got[0], v_cache[first_block, 0].repeat_interleave(heads // kv_heads, dim=0))
+
+
+def test_decode_hook_uses_kernel_and_accepts_strided_inputs(monkeypatch):
+    q, k_cache, v_cache, meta, _ = _case([5, 40, 200], 9, 3, "scattered")
+    attn = PagedAttention(9, 3, HEAD_DIM)
+    expected = attn._decode_torch(q, k_cache, v_cache, meta)
+    calls = []
+    real = cpu_kernels.paged_decode
+    monkeypatch.setattr(cpu_kernels, "paged_decode", lambda *a: calls.append(1) or real(*a))
+    wide = torch.cat([torch.zeros_like(q), q], dim=-1)[..., HEAD_DIM:]  # non-contiguous view, as after a split
+    meta.decode_block_tables = meta.decode_block_tables.to(torch.int32)
+    got = attn._decode(wide, k_cache, v_cache, meta)
+    assert calls == [1]
+    assert (got - expected).abs().max().item() < 1e-5
+
+
+def test_env_var_forces_pytorch_path(monkeypatch):
+    q, k_cache, v_cache, meta, _ = _case([3, 30], 9, 3, "padded")
+    monkeypatch.setenv("MESHSERVE_DISABLE_CPU_KERNELS", "1")
+    monkeypatch.setattr(cpu_kernels, "paged_decode", lambda *a: pytest.fail("kernel used while disabled"))
+    attn = PagedAttention(9, 3, HEAD_DIM)
+    assert not cpu_kernels.usable(q, k_cache)
+    torch.testing.assert_close(attn._decode(q, k_cache, v_cache, meta), attn._decode_torch(q, k_cache, v_cache, meta))
+
+
+def test_other_dtypes_keep_pytorch_path():
+    q, k_cache, _, _, _ = _case([3], 9, 3, "padded")
+    assert cpu_kernels.usable(q, k_cache)
+    assert not cpu_kernels.usable(q.bfloat16(), k_cache.bfloat16())
+    assert not cpu_kernels.usable(q.double(), k_cache.double())
+
+
+def test_failed_build_warns_once_and_falls_back(monkeypatch, caplog):
+    def no_compiler():
+        raise RuntimeError("Error building extension\nc++: command not found")
+
+    monkeypatch.setattr(cpu_kernels, "_build", no_compiler)
+    monkeypatch.setattr(cpu_kernels, "_module", None)
+    monkeypatch.setattr(cpu_kernels, "_tried", False)
+    q, k_cache, v_cache, meta, _ = _case([3, 30], 9, 3, "padded")
+    attn = PagedAttention(9, 3, HEAD_DIM)
+    with caplog.at_level(logging.WARNING, logger=cpu_kernels.__name__):
+        out = attn._decode(q, k_cache, v_cache, meta)
+        attn._decode(q, k_cache, v_cache, meta)
+    torch.testing.assert_close(out, attn._decode_torch(q, k_cache, v_cache, meta))
+    warnings = [r for r in caplog.records if r.name == cpu_kernels.__name__]
+    assert len(warnings) == 1 and "command not found" in warnings[0].getMessage()
+
+
+def test_out_of_range_inputs_raise_instead_of_reading_past_the_cache():
+    q, k_cache, v_cache, meta, lens = _case([20], 9, 3, "padded")
+    too_long = torch.tensor([meta.decode_block_tables.shape[1] * BLOCK + 1])
+    with pytest.raises(RuntimeError, match="context length"):
+        cpu_kernels.paged_decode(q, k_cache, v_cache, meta.decode_block_tables, too_long, 0.125)
+    bad_table = meta.decode_block_tables.clone()
+    bad_table[0, 1] = k_cache.shape[0]
+    with pytest.raises(RuntimeError, match="block id"):
+        cpu_kernels.paged_decode(q, k_cache, v_cache, bad_table, lens, 0.125)
+
+
+# ---- fused element-wise kernels ------------------------------------------------------------------
+
+def _rms_ref(x, w, eps):
+    return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+@pytest.mark.parametrize("rows", [1, 5, 300])
+def test_rms_norm_with_and_without_residual(rows):
+    g = torch.Generator().manual_seed(rows)
+    wide = torch.randn(rows, 2 * 576, generator=g)
+    x = wide[:, 100:676]  # rows with a stride, as a slice of a larger output
+    w, residual = torch.randn(576, generator=g), torch.randn(rows, 576, generator=g)
+    torch.testing.assert_close(cpu_kernels.rms_norm(x, w, 1e-5), _rms_ref(x, w, 1e-5))
+    expected_sum = x + residual
+    out = cpu_kernels.rms_norm(x, w, 1e-5, residual)
+    torch.testing.assert_close(residual, expected_sum, rtol=0, atol=0)  # the stream is updated in place
+    torch.testing.assert_close(out, _rms_ref(expected_sum, w, 1e-5))
+
+
+def test_rms_norm_module_paths_agree(monkeypatch):
+    from meshserve.layers.norm import RMSNorm
+
+    norm = RMSNorm(64, 1e-6)
+    norm.weight.data = torch.randn(64)
+    x, residual = torch.randn(7, 64), torch.randn(7, 64)
+    fused_out, fused_sum = norm(x, residual.clone())
+    monkeypatch.setenv("MESHSERVE_DISABLE_CPU_KERNELS", "1")
+    plain_out, plain_sum = norm(x, residual.clone())
+    torch.testing.assert_close(fused_sum, plain_sum)
+    torch.testing.assert_close(fused_out, plain_out)
+
+
+def test_silu_and_mul_matches_torch_including_extremes():
+    g = torch.Generator().manual_seed(1)
+    gate_up = torch.randn(33, 2 * 200, generator=g) * 6
+    gate_up[0, :6] = torch.tensor([-200.0, -88.0, -20.0, 0.0, 20.0, 100.0])  # clamped exp range and beyond
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(cpu_kernels.silu_and_mul(gate_up), F.silu(gate) * up, rtol=2e-6, atol=1e-6)
+
+
+def test_rotary_in_place_matches_module_formula():
+    from meshserve.layers.rotary import RotaryEmbedding
+
+    rot = RotaryEmbedding(64, 512, 10000.0, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                             "high_freq_factor": 4.0, "original_max_position_embeddings": 128})
+    g = torch.Generator().manual_seed(2)
+    t, heads, kv_heads = 11, 9, 3
+    qkv = torch.randn(t, (heads + 2 * kv_heads) * 64, generator=g)
+    positions = torch.randint(0, 512, (t,), generator=g)
+    q, k, v = qkv.split([heads * 64, kv_heads * 64, kv_heads * 64], dim=-1)
+    q_ref, k_ref = rot(positions, q.reshape(t, heads, 64), k.reshape(t, kv_heads, 64))
+    v_before = v.clone()
+    q2, k2, v2 = rot.apply_qkv(positions, qkv, heads, kv_heads)  # the kernel path: in place in qkv
+    torch.testing.assert_close(q2, q_ref)
+    torch.testing.assert_close(k2, k_ref)
+    assert torch.equal(v2.reshape(t, -1), v_before)
+    with pytest.raises(RuntimeError, match="position out of range"):
+        cpu_kernels.rotary_(qkv, torch.tensor([512] * t), rot.cos, rot.sin, heads + kv_heads, 64)
+
+
+# ---- pre-packed matmuls ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("rows", [1, 64, 128, 129, 700])  # packed up to PACKED_MAX_ROWS, F.linear beyond
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_matches_f_linear(rows, bias):
+    from meshserve.layers.cpu_gemm import PACKED_MAX_ROWS
+    from meshserve.layers.linear import ColumnParallelLinear
+
+    lin = ColumnParallelLinear(96, 200, bias=bias)
+    g = torch.Generator().manual_seed(rows)
+    lin.weight.data = torch.randn(200, 96, generator=g)
+    if bias:
+        lin.bias.data = torch.randn(200, generator=g)
+    lin.prepack()
+    assert lin._packed is not None
+    x = torch.randn(rows, 96, generator=g)
+    calls = []
+    real = torch.ops.mkldnn._linear_pointwise
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda *a: calls.append(1) or real(*a))
+        out = lin(x)
+    assert bool(calls) == (rows <= PACKED_MAX_ROWS)
+    torch.testing.assert_close(out, F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-4)
+
+
+def test_packing_off_when_disabled_or_not_float32(monkeypatch):
+    from meshserve.layers.linear import RowParallelLinear
+
+    lin = RowParallelLinear(32, 16)
+    lin.weight.data = torch.randn(16, 32).bfloat16()
+    lin.prepack()
+    assert lin._packed is None
+    lin.weight.data = torch.randn(16, 32)
+    monkeypatch.setenv("MESHSERVE_DISABLE_CPU_KERNELS", "1")
+    lin.prepack()
+    assert lin._packed is None
+    x = torch.randn(4, 32)
+    torch.testing.assert_close(lin(x), F.linear(x, lin.weight))
+
+
+def test_engine_with_cpu_kernels_generates_as_without(monkeypatch):
+    """End to end on the default model: packed matmuls, fused norms/rotary/SiLU and the decode
+    kernel against the plain PyTorch path, greedy ids and top logprobs."""
+    from meshserve import LLM, SamplingParams
+
+    prompts = [list(range(200, 230)), "The capital of France is", list(range(5000, 5100))]
+    params = SamplingParams(temperature=0, max_tokens=12, logprobs=3, ignore_eos=True)
+
+    def run():
+        llm = LLM("default", dtype="float32", max_model_len=256, kv_cache_memory_bytes=16 << 20)
+        try:
+            return llm.generate(prompts, params)
+        finally:
+            llm.engine.shutdown()
+
+    fast = run()
+    monkeypatch.setenv("MESHSERVE_DISABLE_CPU_KERNELS", "1")
+    plain = run()
+    for a, b in zip(fast, plain):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert la.keys() == lb.keys()
+            for tok, lp in la.items():
+                assert abs(lp - lb[tok]) < 1e-3
