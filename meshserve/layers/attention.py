@@ -45,27 +45,36 @@ class PagedAttention:
         k_cache.view(-1, kvh, d).index_copy_(0, meta.slot_mapping, k)
         v_cache.view(-1, kvh, d).index_copy_(0, meta.slot_mapping, v)
         out = torch.empty_like(q)
-        for p in meta.prefills:
-            out[p.q_start:p.q_end] = self._prefill(q[p.q_start:p.q_end], k[p.q_start:p.q_end],
-                                                   v[p.q_start:p.q_end], k_cache, v_cache, p)
+        for group in _fresh_runs(meta.prefills):
+            a, b = group[0].q_start, group[-1].q_end
+            if group[0].num_cached == 0:
+                out[a:b] = self._prefill_fresh(q[a:b], k[a:b], v[a:b], len(group))
+            else:
+                out[a:b] = self._prefill_cached(q[a:b], k_cache, v_cache, group[0])
         if meta.decode_block_tables is not None:
             n = meta.num_prefill_tokens
             out[n:] = self._decode(q[n:], k_cache, v_cache, meta)
         return out
 
-    def _prefill(self, q, k, v, k_cache, v_cache, p: PrefillSeq) -> torch.Tensor:
-        qt = q.transpose(0, 1).unsqueeze(0)  # [1, H, L, D]
-        if p.num_cached == 0:
-            o = F.scaled_dot_product_attention(qt, k.transpose(0, 1).unsqueeze(0),
-                                               v.transpose(0, 1).unsqueeze(0), is_causal=True, enable_gqa=True)
-        else:
-            ctx = p.num_cached + q.shape[0]
-            kk = k_cache[p.block_table].flatten(0, 1)[:ctx]  # [ctx, KVH, D]
-            vv = v_cache[p.block_table].flatten(0, 1)[:ctx]
-            pos = torch.arange(p.num_cached, ctx, device=q.device)
-            mask = torch.arange(ctx, device=q.device)[None, :] <= pos[:, None]
-            o = F.scaled_dot_product_attention(qt, kk.transpose(0, 1).unsqueeze(0),
-                                               vv.transpose(0, 1).unsqueeze(0), attn_mask=mask, enable_gqa=True)
+    def _prefill_fresh(self, q, k, v, n: int) -> torch.Tensor:
+        """n prompts of equal length with nothing cached, packed back to back: one causal SDPA
+        over [n, heads, L, D] views (one call per sequence was ~30% slower on CPU)."""
+        def heads_first(x):
+            return x.view(n, -1, *x.shape[1:]).transpose(1, 2)
+
+        o = F.scaled_dot_product_attention(heads_first(q), heads_first(k), heads_first(v), is_causal=True,
+                                           enable_gqa=True)
+        return o.transpose(1, 2).reshape(q.shape)
+
+    def _prefill_cached(self, q, k_cache, v_cache, p: PrefillSeq) -> torch.Tensor:
+        """A chunk after num_cached tokens (earlier chunks or a prefix hit): attends to the cache."""
+        ctx = p.num_cached + q.shape[0]
+        kk = k_cache[p.block_table].flatten(0, 1)[:ctx]  # [ctx, KVH, D]
+        vv = v_cache[p.block_table].flatten(0, 1)[:ctx]
+        pos = torch.arange(p.num_cached, ctx, device=q.device)
+        mask = torch.arange(ctx, device=q.device)[None, :] <= pos[:, None]
+        o = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), kk.transpose(0, 1).unsqueeze(0),
+                                           vv.transpose(0, 1).unsqueeze(0), attn_mask=mask, enable_gqa=True)
         return o.squeeze(0).transpose(0, 1)
 
     def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
@@ -83,3 +92,17 @@ class PagedAttention:
         qg = q.view(b, kvh, self.group, d)
         o = F.scaled_dot_product_attention(qg, kk, vv, attn_mask=meta.decode_mask)
         return o.reshape(b, self.num_heads, d)
+
+
+def _fresh_runs(prefills: list[PrefillSeq]) -> list[list[PrefillSeq]]:
+    """Consecutive prefills with nothing cached and the same length, grouped; every other prefill
+    (one that reads cached tokens) on its own."""
+    runs: list[list[PrefillSeq]] = []
+    for p in prefills:
+        last = runs[-1][-1] if runs else None
+        if (last is not None and p.num_cached == 0 and last.num_cached == 0
+                and p.q_end - p.q_start == last.q_end - last.q_start):
+            runs[-1].append(p)
+        else:
+            runs.append([p])
+    return runs
