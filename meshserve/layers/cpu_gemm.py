@@ -1,8 +1,9 @@
 """Small-batch float32 matmuls on CPU through oneDNN, with weights packed once at load time.
 
 With a handful of rows (decode steps: one row per running sequence) MKL's sgemm, which
-`F.linear` calls, re-lays out the weight on every call; oneDNN reading a weight packed in advance
-into its own blocked layout ran these shapes 1.2-2x faster here (the LM head up to 3x). From a
+`F.linear` calls, packs panels of the weight on every call, work that a few rows cannot amortise;
+oneDNN reading a weight packed once into its own blocked layout ran these shapes 1.2-2x faster
+here (the LM head up to 3x). From a
 few hundred rows on (prefill chunks) MKL is as fast or faster, so those keep `F.linear`. The
 packed copy costs one more copy of each linear weight in host memory.
 MESHSERVE_DISABLE_CPU_KERNELS=1 turns it off.
@@ -14,7 +15,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-PACKED_MAX_ROWS = 128  # measured crossover (benchmarks/offline_throughput.py geometry): ~150-250 rows
+PACKED_MAX_ROWS = 128  # crossover measured on SmolLM2's shapes, 2 AVX2 cores: ~150-250 rows
 
 
 def _enabled(weight: torch.Tensor) -> bool:

@@ -29,7 +29,6 @@ logger = logging.getLogger(__name__)
 _SOURCE_PATH = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
 _FUNCTIONS = ["paged_decode", "rms_norm", "silu_and_mul", "rotary_"]
 
-
 _lock = threading.Lock()
 _module = None
 _tried = False
@@ -104,8 +103,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     """q: [B, H, D]; caches: [num_blocks, block_size, KVH, D]; block_tables: [B, max_blocks];
     context_lens: [B] tokens each sequence attends to (its new token included). Returns [B, H, D]."""
     return _kernels().paged_decode(q.contiguous(), k_cache.contiguous(), v_cache.contiguous(),
-                                block_tables.to(torch.long).contiguous(), context_lens.to(torch.long).contiguous(),
-                                float(scale))
+                                   block_tables.to(torch.long).contiguous(),
+                                   context_lens.to(torch.long).contiguous(), float(scale))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None) -> torch.Tensor:
