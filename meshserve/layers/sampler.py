@@ -20,12 +20,17 @@ class SamplerOutput:
     logprobs: list[tuple[float, list[tuple[int, float]]] | None]
 
 
-def _penalize(logits: torch.Tensor, params: list[SamplingParams], histories: list[tuple[list[int], list[int]]]):
+def _penalize(logits: torch.Tensor, params: list[SamplingParams],
+              histories: list[tuple[list[int], list[int]] | None]):
+    """Rows without penalties have no history (None) and pass through unchanged."""
     b, v = logits.shape
     dev = logits.device
     out_counts = torch.zeros(b, v, device=dev)
     seen = torch.zeros(b, v, dtype=torch.bool, device=dev)
-    for r, (prompt, output) in enumerate(histories):
+    for r, history in enumerate(histories):
+        if history is None:
+            continue
+        prompt, output = history
         if output:
             ids = torch.tensor(output, device=dev)
             out_counts[r].index_add_(0, ids, torch.ones(len(output), device=dev))

@@ -59,3 +59,14 @@ def test_logprobs_are_raw_log_softmax_with_top_n():
     assert out.token_ids == [0] and abs(chosen - ref[0].item()) < 1e-6
     assert [t for t, _ in top] == [0, 1] and abs(top[1][1] - ref[1].item()) < 1e-6
     assert s(LOGITS, [0], [SamplingParams(temperature=0)], [0]).logprobs == [None]
+
+
+def test_rows_without_penalties_share_a_batch_with_penalized_rows():
+    """A penalized request batched with plain ones: plain rows carry no history and are unchanged."""
+    logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, -1.0]] * 2)
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=0, presence_penalty=2.0)]
+    out = _penalize(logits.clone(), params, [None, ([4], [0, 0, 1])])
+    assert out[0].tolist() == logits[0].tolist()
+    assert out[1].tolist() == [2.0, 1.0, 2.0, 1.0, -1.0]
+    s = Sampler()
+    assert s(logits, [0, 1], params, [0, 0], [None, ([4], [0, 0, 1])]).token_ids == [0, 0]
