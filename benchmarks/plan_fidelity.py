@@ -22,7 +22,11 @@ import torch
 
 from meshserve.plan import get_gpu, get_model
 from meshserve.plan.calibrate import calibrate
-from meshserve.plan.fidelity import EngineStepTimer, compare_decode_steps, torch_reference_timer
+from meshserve.plan.fidelity import (
+    EngineStepTimer,
+    compare_decode_steps,
+    torch_reference_timer,
+)
 from meshserve.plan.planner import make_perf_model
 
 

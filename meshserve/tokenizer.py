@@ -5,7 +5,8 @@ import json
 from pathlib import Path
 from typing import Sequence
 
-from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as HFTokenizer
 
 # GGUF token types (llama.cpp): 3 = control, 4 = user-defined. Both are never split by BPE.
 _GGUF_SPECIAL_TYPES = (3, 4)

@@ -7,9 +7,17 @@ import os
 import sys
 from typing import Callable
 
-from meshserve.bench.config import (DATASETS, ENDPOINTS, BenchConfig, DatasetConfig, LoadConfig,
-                                    parse_csv_floats, parse_goodput, parse_metric_names,
-                                    parse_rate)
+from meshserve.bench.config import (
+    DATASETS,
+    ENDPOINTS,
+    BenchConfig,
+    DatasetConfig,
+    LoadConfig,
+    parse_csv_floats,
+    parse_goodput,
+    parse_metric_names,
+    parse_rate,
+)
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 
@@ -179,7 +187,12 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 def cmd_scaling(args: argparse.Namespace) -> int:
     from meshserve.bench import report
-    from meshserve.bench.scaling import DEFAULT_LAUNCH, ScalingConfig, parse_layouts, run_scaling
+    from meshserve.bench.scaling import (
+        DEFAULT_LAUNCH,
+        ScalingConfig,
+        parse_layouts,
+        run_scaling,
+    )
 
     config = config_from_args(args, DEFAULT_URL, None)  # each layout gets its own URL
     sc = ScalingConfig(layouts=parse_layouts(args.layouts), model=args.model or "",

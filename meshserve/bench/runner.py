@@ -17,7 +17,11 @@ from meshserve.bench.client import OpenAIStreamClient, RequestRecord
 from meshserve.bench.config import BenchConfig, LoadConfig
 from meshserve.bench.datasets import BenchRequest, load_requests
 from meshserve.bench.metrics import compute_metrics, per_request
-from meshserve.bench.tokenization import LocalTokenizer, PromptTokenizer, ServerTokenizer
+from meshserve.bench.tokenization import (
+    LocalTokenizer,
+    PromptTokenizer,
+    ServerTokenizer,
+)
 
 
 class ServerUnreachable(RuntimeError):

@@ -14,12 +14,12 @@ from meshserve.engine.block_manager import BlockManager
 from meshserve.engine.detokenizer import IncrementalDetokenizer, find_stop
 from meshserve.engine.scheduler import Scheduler, SchedulerOutput
 from meshserve.engine.sequence import Sequence
+from meshserve.engine.step import SeqStep, StepInput
 from meshserve.models.loader import resolve_model
 from meshserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from meshserve.sampling_params import SamplingParams
 from meshserve.tokenizer import Tokenizer
 from meshserve.worker.executor import make_executor
-from meshserve.worker.model_runner import SeqStep, StepInput
 
 logger = logging.getLogger("meshserve")
 

@@ -6,7 +6,6 @@ slice of the full checkpoint tensor, so checkpoints are read whole and never pre
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from meshserve.distributed.parallel_state import get_parallel_state

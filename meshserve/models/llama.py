@@ -10,7 +10,11 @@ from meshserve.distributed.validation import resolve_pipeline_split
 from meshserve.layers import cpu_kernels
 from meshserve.layers.attention import AttentionMetadata, PagedAttention
 from meshserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from meshserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from meshserve.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
 from meshserve.layers.norm import RMSNorm
 from meshserve.layers.rotary import RotaryEmbedding
 from meshserve.models.model_config import ModelConfig

@@ -89,7 +89,9 @@ def get_model(name_or_path: str) -> ModelSpec:
 def get_gpu(name: str, calibration_file: str | Path | None = None) -> GPUSpec:
     """A catalog GPU, or `this-machine` built from the cached calibration."""
     if name.lower() == THIS_MACHINE:
-        from .calibrate import load_calibration  # torch stays unimported until measuring
+        from .calibrate import (
+            load_calibration,  # torch stays unimported until measuring
+        )
         return load_calibration(calibration_file).to_gpu_spec()
     for gpu in GPUS.values():
         if gpu.name.lower() == name.lower():

@@ -12,13 +12,13 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 import meshserve
-from meshserve.server.errors import APIError, bad_request
+from meshserve.api.errors import APIError, bad_request
+from meshserve.api.protocol import DetokenizeRequest, TokenizeRequest
+from meshserve.api.sse import ClientDisconnected, JSONBytesResponse
 from meshserve.server.metrics import CONTENT_TYPE, ServerMetrics
-from meshserve.server.protocol import DetokenizeRequest, TokenizeRequest
 from meshserve.server.serving import ServingContext, parse, read_json
 from meshserve.server.serving_chat import create_chat_completion
 from meshserve.server.serving_completion import create_completion
-from meshserve.server.sse import ClientDisconnected, JSONBytesResponse
 
 logger = logging.getLogger(__name__)
 

@@ -18,8 +18,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Sequence
 
+from meshserve.engine.messages import AddRequest, RequestDelta
 from meshserve.sampling_params import SamplingParams
-from meshserve.server.engine_core import AddRequest, RequestDelta, run_engine_core
+from meshserve.server.engine_core import run_engine_core
 
 logger = logging.getLogger(__name__)
 

@@ -17,36 +17,11 @@ import os
 import signal
 import time
 import traceback
-from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any, Callable
 
+from meshserve.engine.messages import AddRequest, RequestDelta, SampleDelta
 from meshserve.sampling_params import SamplingParams
-
-
-@dataclass(slots=True)
-class AddRequest:
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    arrival_time: float
-
-
-@dataclass(slots=True)
-class SampleDelta:
-    index: int
-    text: str
-    token_ids: list[int]
-    logprobs: list[dict[int, float]] | None
-    finish_reason: str | None
-    stop_reason: int | str | None
-
-
-@dataclass(slots=True)
-class RequestDelta:
-    request_id: str
-    outputs: list[SampleDelta]
-    finished: bool
 
 
 def build_llm_engine(config) -> Any:

@@ -14,13 +14,28 @@ from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 from starlette.responses import Response
 
+from meshserve.api.errors import (
+    APIError,
+    bad_request,
+    from_validation_error,
+    from_value_error,
+)
+from meshserve.api.protocol import SamplingFields
+from meshserve.api.sse import (
+    DONE,
+    EventStreamResponse,
+    JSONBytesResponse,
+    cancel_on_disconnect,
+    sse_event,
+)
+from meshserve.engine.messages import RequestDelta
 from meshserve.sampling_params import SamplingParams
-from meshserve.server.engine_client import EngineClient, EngineDeadError, EngineRejectedError
-from meshserve.server.engine_core import RequestDelta
-from meshserve.server.errors import APIError, bad_request, from_validation_error, from_value_error
-from meshserve.server.protocol import SamplingFields
+from meshserve.server.engine_client import (
+    EngineClient,
+    EngineDeadError,
+    EngineRejectedError,
+)
 from meshserve.server.server_config import ServerConfig
-from meshserve.server.sse import DONE, EventStreamResponse, JSONBytesResponse, cancel_on_disconnect, sse_event
 
 M = TypeVar("M", bound=BaseModel)
 

@@ -8,10 +8,17 @@ from typing import AsyncIterator
 from starlette.requests import Request
 from starlette.responses import Response
 
-from meshserve.server.engine_core import RequestDelta
-from meshserve.server.errors import bad_request
-from meshserve.server.protocol import ChatCompletionRequest, ChatMessage
-from meshserve.server.serving import ResponseView, ServingContext, clamp_logprob, parse, read_json, usage
+from meshserve.api.errors import bad_request
+from meshserve.api.protocol import ChatCompletionRequest, ChatMessage
+from meshserve.engine.messages import RequestDelta
+from meshserve.server.serving import (
+    ResponseView,
+    ServingContext,
+    clamp_logprob,
+    parse,
+    read_json,
+    usage,
+)
 
 
 async def create_chat_completion(ctx: ServingContext, request: Request) -> Response:

@@ -9,10 +9,17 @@ from typing import AsyncIterator
 from starlette.requests import Request
 from starlette.responses import Response
 
-from meshserve.server.engine_core import RequestDelta
-from meshserve.server.errors import bad_request
-from meshserve.server.protocol import CompletionRequest
-from meshserve.server.serving import ResponseView, ServingContext, clamp_logprob, parse, read_json, usage
+from meshserve.api.errors import bad_request
+from meshserve.api.protocol import CompletionRequest
+from meshserve.engine.messages import RequestDelta
+from meshserve.server.serving import (
+    ResponseView,
+    ServingContext,
+    clamp_logprob,
+    parse,
+    read_json,
+    usage,
+)
 
 _DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
 

@@ -3,49 +3,20 @@ runs the forward pass and (on the last pipeline stage's first TP rank) samples."
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
 
 import torch
 
 from meshserve.config import CPU_DEFAULT_KV_BYTES, EngineConfig
 from meshserve.distributed.parallel_state import get_parallel_state
-from meshserve.distributed.timing import RankTiming
-from meshserve.layers.cpu_gemm import prepack_model
+from meshserve.engine.step import StepInput
 from meshserve.layers.attention import AttentionMetadata, PrefillSeq
+from meshserve.layers.cpu_gemm import prepack_model
 from meshserve.layers.rotary import RotaryEmbedding
 from meshserve.layers.sampler import Sampler, SamplerOutput
 from meshserve.models.llama import LlamaForCausalLM
 from meshserve.models.loader import ModelSource
-from meshserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class SeqStep:
-    """What a runner needs to know about one scheduled sequence (sent to every rank each step)."""
-    seq_id: int
-    token_ids: list[int]  # the tokens computed this step
-    start: int  # position of token_ids[0]
-    block_table: list[int]
-    sample: bool
-    params: SamplingParams | None = None
-    seed_key: int = 0
-    history: tuple[list[int], list[int]] | None = None  # (prompt, output) ids, only with penalties
-
-
-@dataclass
-class StepInput:
-    seqs: list[SeqStep]
-    finished_seq_ids: list[int] = field(default_factory=list)
-
-
-@dataclass
-class StepResult:
-    sampled: SamplerOutput | None
-    compute_s: float = 0.0  # mean over ranks
-    comm_s: dict[str, float] = field(default_factory=dict)  # mean over ranks, by kind
-    rank_timings: list[RankTiming] = field(default_factory=list)
 
 
 def _init_dummy_(model: torch.nn.Module, seed: int) -> None:

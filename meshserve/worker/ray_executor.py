@@ -16,9 +16,9 @@ from collections import defaultdict
 from datetime import timedelta
 
 from meshserve.config import EngineConfig
+from meshserve.engine.step import StepInput
 from meshserve.models.loader import ModelSource
 from meshserve.worker.executor import DistributedExecutor, WorkerFailure
-from meshserve.worker.model_runner import StepInput
 
 logger = logging.getLogger("meshserve")
 

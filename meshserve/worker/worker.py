@@ -11,11 +11,20 @@ from pathlib import Path
 import torch
 
 from meshserve.config import EngineConfig
-from meshserve.distributed.parallel_state import ParallelState, init_distributed, set_parallel_state
+from meshserve.distributed.parallel_state import (
+    ParallelState,
+    init_distributed,
+    set_parallel_state,
+)
 from meshserve.distributed.timing import RankTiming
+from meshserve.engine.step import StepInput
 from meshserve.models.loader import ModelSource
-from meshserve.worker.microbatch import MIN_MICROBATCH_TOKENS, num_tokens, split_microbatches
-from meshserve.worker.model_runner import ModelRunner, StepInput
+from meshserve.worker.microbatch import (
+    MIN_MICROBATCH_TOKENS,
+    num_tokens,
+    split_microbatches,
+)
+from meshserve.worker.model_runner import ModelRunner
 
 logger = logging.getLogger("meshserve")
 

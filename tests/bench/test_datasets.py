@@ -8,8 +8,13 @@ import numpy as np
 import pytest
 
 from meshserve.bench.config import DatasetConfig, parse_goodput
-from meshserve.bench.datasets import (fit_prompt, load_requests, prefix_requests,
-                                      random_requests, token_space)
+from meshserve.bench.datasets import (
+    fit_prompt,
+    load_requests,
+    prefix_requests,
+    random_requests,
+    token_space,
+)
 from meshserve.bench.tokenization import LocalTokenizer
 
 from .fake_server import ToyTokenizer
@@ -71,7 +76,14 @@ def test_prefix_prompts_share_a_prefix_of_the_requested_length():
 
 
 def test_local_hf_tokenizer_gives_exact_lengths(tmp_path):
-    from tokenizers import Tokenizer, models, pre_tokenizers, decoders, trainers, processors
+    from tokenizers import (
+        Tokenizer,
+        decoders,
+        models,
+        pre_tokenizers,
+        processors,
+        trainers,
+    )
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

@@ -6,8 +6,13 @@ import math
 import pytest
 
 from meshserve.bench.client import RequestRecord
-from meshserve.bench.metrics import (compute_metrics, meets_slo, percentile_key, request_tpot,
-                                     summarize)
+from meshserve.bench.metrics import (
+    compute_metrics,
+    meets_slo,
+    percentile_key,
+    request_tpot,
+    summarize,
+)
 
 
 def rec(ttft: float, e2el: float, out: int | None, itl: list[float] | None = None,

@@ -10,8 +10,15 @@ import sys
 import pytest
 
 from meshserve.bench.config import BenchConfig, DatasetConfig
-from meshserve.bench.scaling import (DEFAULT_LAUNCH, Layout, ScalingConfig, add_efficiency, launch_argv,
-                                     parse_layouts, run_scaling)
+from meshserve.bench.scaling import (
+    DEFAULT_LAUNCH,
+    Layout,
+    ScalingConfig,
+    add_efficiency,
+    launch_argv,
+    parse_layouts,
+    run_scaling,
+)
 
 from .helpers import FAKE_SERVER, run_bench
 

@@ -3,7 +3,6 @@ layout must reproduce token for token."""
 from __future__ import annotations
 
 import pytest
-
 from parallel_helpers import generate_ids, make_tiny_model
 
 

@@ -3,13 +3,12 @@ import json
 import logging
 
 import pytest
+from parallel_helpers import ENGINE_ARGS, GREEDY, generate_ids, prompts
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from meshserve import LLM, SamplingParams
 from meshserve.distributed.timing import register_parallel_metrics
-
-from parallel_helpers import ENGINE_ARGS, GREEDY, generate_ids, prompts
 
 
 @pytest.mark.parametrize("tp,pp", [(2, 1), (1, 4), (2, 2)])

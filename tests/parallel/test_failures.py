@@ -4,11 +4,10 @@ import signal
 import time
 
 import pytest
+from parallel_helpers import ENGINE_ARGS
 
 from meshserve import LLM, SamplingParams
 from meshserve.worker.executor import WorkerFailure
-
-from parallel_helpers import ENGINE_ARGS
 
 
 def test_killed_worker_fails_the_engine_within_seconds(tiny_kv2):

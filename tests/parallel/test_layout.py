@@ -7,10 +7,10 @@ import pytest
 
 from meshserve import LLM
 from meshserve.distributed.validation import check_parallel_layout, valid_tp_sizes
+from meshserve.engine.step import SeqStep, StepInput
 from meshserve.models.model_config import ModelConfig
 from meshserve.sampling_params import SamplingParams
 from meshserve.worker.microbatch import split_microbatches
-from meshserve.worker.model_runner import SeqStep, StepInput
 from meshserve.worker.worker import cpu_shares
 
 

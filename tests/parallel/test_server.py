@@ -7,10 +7,9 @@ import tempfile
 import time
 
 import httpx
+from parallel_helpers import ENGINE_ARGS, GREEDY
 
 from meshserve import LLM
-
-from parallel_helpers import ENGINE_ARGS, GREEDY
 
 PROMPT = "Hello there, my friend"
 

@@ -10,7 +10,11 @@ import pytest
 
 from meshserve.plan import PlanConfig, get_gpu, get_model, plan
 from meshserve.plan.memory import max_tp_without_kv_replication
-from meshserve.plan.timing import decode_tokens_per_s_bound, kv_handoff_time, pipeline_efficiency
+from meshserve.plan.timing import (
+    decode_tokens_per_s_bound,
+    kv_handoff_time,
+    pipeline_efficiency,
+)
 from meshserve.plan.units import GB, GiB
 
 

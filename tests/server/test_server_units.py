@@ -8,11 +8,12 @@ import time
 import pytest
 from server_fake_engine import FakeEngine
 
+from meshserve.api.errors import from_value_error
+from meshserve.engine.messages import AddRequest
 from meshserve.outputs import CompletionOutput, RequestOutput
 from meshserve.sampling_params import SamplingParams
 from meshserve.server.engine_client import split_gpus
-from meshserve.server.engine_core import AddRequest, DeltaTracker, EngineLoop
-from meshserve.server.errors import from_value_error
+from meshserve.server.engine_core import DeltaTracker, EngineLoop
 from meshserve.server.server_config import ServerConfig
 
 

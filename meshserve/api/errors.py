@@ -1,9 +1,8 @@
 """OpenAI-style errors: one exception type for every rejection, one JSON shape for every error body."""
 from __future__ import annotations
 
-from http import HTTPStatus
-
 from dataclasses import fields
+from http import HTTPStatus
 
 from pydantic import ValidationError
 

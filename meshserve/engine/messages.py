@@ -1,0 +1,36 @@
+"""What crosses the engine-process boundary, in both directions.
+
+Front end -> engine: ops, each a tuple ("add", AddRequest), ("abort", [request ids]), ("shutdown",).
+Engine -> front end: RequestDelta per request that moved in a step (only what is new since the last
+step), plus stats. Both sides import these types; neither imports the other's process code.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from meshserve.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class AddRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+
+
+@dataclass(slots=True)
+class SampleDelta:
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[dict[int, float]] | None
+    finish_reason: str | None
+    stop_reason: int | str | None
+
+
+@dataclass(slots=True)
+class RequestDelta:
+    request_id: str
+    outputs: list[SampleDelta]
+    finished: bool

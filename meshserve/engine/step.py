@@ -1,0 +1,39 @@
+"""What one engine step hands to every rank (StepInput) and what comes back (StepResult).
+
+The scheduler decides, the engine packs each scheduled sequence into a SeqStep, the executor sends the
+StepInput to every rank, and the sampling rank's tokens come back in StepResult.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from meshserve.distributed.timing import RankTiming
+from meshserve.layers.sampler import SamplerOutput
+from meshserve.sampling_params import SamplingParams
+
+
+@dataclass
+class SeqStep:
+    """What a runner needs to know about one scheduled sequence (sent to every rank each step)."""
+    seq_id: int
+    token_ids: list[int]  # the tokens computed this step
+    start: int  # position of token_ids[0]
+    block_table: list[int]
+    sample: bool
+    params: SamplingParams | None = None
+    seed_key: int = 0
+    history: tuple[list[int], list[int]] | None = None  # (prompt, output) ids, only with penalties
+
+
+@dataclass
+class StepInput:
+    seqs: list[SeqStep]
+    finished_seq_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class StepResult:
+    sampled: SamplerOutput | None
+    compute_s: float = 0.0  # mean over ranks
+    comm_s: dict[str, float] = field(default_factory=dict)  # mean over ranks, by kind
+    rank_timings: list[RankTiming] = field(default_factory=list)
