@@ -6,7 +6,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshserve.distributed.parallel_state import get_parallel_state
-from meshserve.distributed.validation import resolve_pipeline_split
 from meshserve.layers import cpu_kernels
 from meshserve.layers.attention import AttentionMetadata, PagedAttention
 from meshserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -18,6 +17,8 @@ from meshserve.layers.linear import (
 from meshserve.layers.norm import RMSNorm
 from meshserve.layers.rotary import RotaryEmbedding
 from meshserve.models.model_config import ModelConfig
+from meshserve.models.registry import register_model
+from meshserve.models.sharding import resolve_pipeline_split
 
 
 class LlamaAttention(nn.Module):
@@ -79,6 +80,8 @@ def stage_layers(num_layers: int, pp_size: int, pp_rank: int, split: list[int] |
     return range(start, start + split[pp_rank])
 
 
+@register_model("LlamaForCausalLM", "MistralForCausalLM", gguf="llama")
+@register_model("Qwen2ForCausalLM", gguf="qwen2")
 class LlamaForCausalLM(nn.Module):
     # checkpoint name fragment -> (our parameter fragment, shard id)
     STACKED = {

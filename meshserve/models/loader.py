@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from meshserve.models.model_config import ModelConfig
+from meshserve.models.registry import architecture_of_gguf, check_supported
 from meshserve.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -126,8 +127,7 @@ def _unpermute_rope(w: np.ndarray, n_head: int) -> np.ndarray:
 
 def gguf_config(fields: dict) -> ModelConfig:
     arch = fields.get("general.architecture")
-    if arch not in ("llama", "qwen2"):
-        raise ValueError(f"GGUF architecture {arch!r} is not supported (llama, qwen2)")
+    architecture = architecture_of_gguf(arch)
     g = lambda k, d=None: fields.get(f"{arch}.{k}", d)  # noqa: E731
     heads = g("attention.head_count")
     return ModelConfig(
@@ -139,10 +139,10 @@ def gguf_config(fields: dict) -> ModelConfig:
         rope_theta=float(g("rope.freq_base", 10000.0)),
         max_position_embeddings=int(g("context_length", 4096)),
         tie_word_embeddings=True,  # corrected below when output.weight exists
-        attention_bias=(arch == "qwen2"),
+        attention_bias=(architecture == "Qwen2ForCausalLM"),
         bos_token_id=fields.get("tokenizer.ggml.bos_token_id"),
         eos_token_id=[fields["tokenizer.ggml.eos_token_id"]] if "tokenizer.ggml.eos_token_id" in fields else [],
-        architecture="Qwen2ForCausalLM" if arch == "qwen2" else "LlamaForCausalLM",
+        architecture=architecture,
     )
 
 
@@ -211,6 +211,7 @@ def resolve_model(model: str | None, load_format: str = "auto") -> ModelSource:
     if not cfg_path.exists():
         raise ValueError(f"{p} has no config.json")
     cfg = ModelConfig.from_json_file(cfg_path)
+    check_supported(cfg.architecture)
     if load_format == "dummy":
         return ModelSource(cfg_path.parent.name, cfg_path.parent, "dummy", cfg)
     files = sorted(cfg_path.parent.glob("*.safetensors"))

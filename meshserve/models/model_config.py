@@ -1,11 +1,16 @@
-"""ModelConfig: the geometry of a Llama-family model, read from a HF config.json or GGUF metadata."""
+"""ModelConfig: a decoder's geometry, read from a HF config.json or GGUF metadata.
+
+This is the one parser of `config.json`: the engine builds models from it and the planner sizes
+deployments from it (`plan/catalog.py` turns it into a ModelSpec). It reads the key names of the
+Llama, Qwen2, Mistral, Mixtral, Qwen2/3-MoE and DeepSeek-V2/V3 families, including fields the
+engine cannot run yet (latent attention): which architectures the engine serves is the model
+registry's business (`models/registry.py`), not the parser's.
+"""
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 
 
 @dataclass
@@ -26,6 +31,23 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: list[int] = field(default_factory=list)
     architecture: str = "LlamaForCausalLM"
+    model_type: str = ""
+    # Mixture of experts: routed experts replace the dense MLP in the MoE layers.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False  # renormalise the top-k router weights to sum to 1
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE: one shared expert with a sigmoid gate
+    num_shared_experts: int = 0  # DeepSeek: shared experts of moe_intermediate_size each
+    first_dense_layers: int = 0  # leading layers that keep a dense MLP
+    decoder_sparse_step: int = 1  # Qwen-MoE: every k-th layer is sparse
+    mlp_only_layers: list[int] = field(default_factory=list)  # Qwen-MoE: layers forced dense
+    # Multi-head latent attention (DeepSeek-V2/V3), parsed for the planner; not served.
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0
+    qk_rope_head_dim: int = 0
+    qk_nope_head_dim: int = 0
+    v_head_dim: int = 0
 
     def __post_init__(self) -> None:
         if self.head_dim is None:
@@ -33,58 +55,122 @@ class ModelConfig:
         if isinstance(self.eos_token_id, int):
             self.eos_token_id = [self.eos_token_id]
         self.eos_token_id = list(self.eos_token_id or [])
+        for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                     "vocab_size"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_key_value_heads})")
-        if self.architecture not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(f"architecture {self.architecture!r} is not supported; "
-                             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok must be in 1..{self.num_experts}, "
+                             f"got {self.num_experts_per_tok}")
+
+    # ---- geometry ----------------------------------------------------------------------
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return (self.is_moe and layer >= self.first_dense_layers and layer not in self.mlp_only_layers
+                and (layer + 1) % max(1, self.decoder_sparse_step) == 0)
+
+    @property
+    def num_moe_layers(self) -> int:
+        return sum(self.is_moe_layer(i) for i in range(self.num_hidden_layers))
 
     @property
     def num_params(self) -> int:
+        """Every parameter (all experts), counted from the geometry; latent attention is not counted."""
         h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
         q = self.num_attention_heads * self.head_dim
         kv = self.num_key_value_heads * self.head_dim
-        per_layer = h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h
-        if self.attention_bias:
-            per_layer += q + 2 * kv
+        attn = h * (q + 2 * kv) + q * h + (q + 2 * kv if self.attention_bias else 0)
+        dense = 3 * h * i
+        moe = (self.num_experts * 3 * h * self.moe_intermediate_size + h * self.num_experts
+               + 3 * h * self.shared_expert_intermediate_size
+               + (h if self.shared_expert_intermediate_size else 0)
+               + self.num_shared_experts * 3 * h * self.moe_intermediate_size)
+        layers = sum(attn + 2 * h + (moe if self.is_moe_layer(k) else dense)
+                     for k in range(self.num_hidden_layers))
         embed = v * h * (1 if self.tie_word_embeddings else 2)
-        return self.num_hidden_layers * per_layer + embed + h
+        return layers + embed + h
 
+    # ---- config.json -------------------------------------------------------------------
     @classmethod
-    def from_hf_config(cls, cfg: dict) -> "ModelConfig":
+    def from_hf_config(cls, cfg: dict, name: str = "config.json") -> "ModelConfig":
+        cfg = cfg.get("text_config") or cfg  # multimodal configs nest the language model
+
+        def first(*keys: str, default=None):
+            for k in keys:
+                if cfg.get(k) is not None:
+                    return cfg[k]
+            return default
+
+        def need(*keys: str):
+            value = first(*keys)
+            if value is None:
+                raise ValueError(f"{name}: missing {' or '.join(keys)}")
+            return value
+
         arch = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
+        model_type = str(cfg.get("model_type", ""))
+        hidden = int(need("hidden_size", "n_embd", "d_model"))
+        heads = int(need("num_attention_heads", "n_head"))
+        experts = int(first("num_local_experts", "n_routed_experts", "num_experts", default=0))
         # Newer configs put rope_theta and the scaling into one "rope_parameters" dict.
         rope = dict(cfg.get("rope_parameters") or {})
         theta = cfg.get("rope_theta", rope.pop("rope_theta", 10000.0))
         scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
         return cls(
-            hidden_size=cfg["hidden_size"],
-            num_hidden_layers=cfg["num_hidden_layers"],
-            num_attention_heads=cfg["num_attention_heads"],
-            num_key_value_heads=cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
-            intermediate_size=cfg["intermediate_size"],
-            vocab_size=cfg["vocab_size"],
-            head_dim=cfg.get("head_dim"),
-            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=theta,
+            hidden_size=hidden,
+            num_hidden_layers=int(need("num_hidden_layers", "n_layer", "num_layers")),
+            num_attention_heads=heads,
+            num_key_value_heads=int(first("num_key_value_heads", default=heads)),
+            intermediate_size=int(first("intermediate_size", "n_inner", default=4 * hidden)),
+            vocab_size=int(need("vocab_size")),
+            head_dim=first("head_dim"),
+            rms_norm_eps=float(first("rms_norm_eps", default=1e-6)),
+            rope_theta=float(theta),
             rope_scaling=scaling,
-            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
-            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-            attention_bias=cfg.get("attention_bias", arch == "Qwen2ForCausalLM"),
+            max_position_embeddings=int(first("max_position_embeddings", default=4096)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=bool(cfg.get("attention_bias", model_type.startswith("qwen2")
+                                        or arch.startswith("Qwen2"))),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_id=cfg.get("eos_token_id") or [],
             architecture=arch,
+            model_type=model_type,
+            num_experts=experts,
+            num_experts_per_tok=int(first("num_experts_per_tok", default=0)) if experts else 0,
+            moe_intermediate_size=int(first("moe_intermediate_size", default=0))
+            or (int(first("intermediate_size", default=0)) if experts else 0),
+            norm_topk_prob=bool(first("norm_topk_prob", default=model_type == "mixtral")),
+            shared_expert_intermediate_size=int(first("shared_expert_intermediate_size", default=0)),
+            num_shared_experts=int(first("n_shared_experts", default=0)),
+            first_dense_layers=int(first("first_k_dense_replace", default=0)),
+            decoder_sparse_step=int(first("decoder_sparse_step", default=1)),
+            mlp_only_layers=list(first("mlp_only_layers", default=[])),
+            kv_lora_rank=int(first("kv_lora_rank", default=0)),
+            q_lora_rank=int(first("q_lora_rank", default=0)),
+            qk_rope_head_dim=int(first("qk_rope_head_dim", default=0)),
+            qk_nope_head_dim=int(first("qk_nope_head_dim", default=0)),
+            v_head_dim=int(first("v_head_dim", default=0)),
         )
 
     @classmethod
     def from_json_file(cls, path: str | Path) -> "ModelConfig":
-        return cls.from_hf_config(json.loads(Path(path).read_text()))
+        return cls.from_hf_config(json.loads(Path(path).read_text()), name=str(path))
 
     def to_hf_config(self) -> dict:
-        """A config.json that `transformers` accepts for the same geometry."""
-        model_type = {"Qwen2ForCausalLM": "qwen2", "MistralForCausalLM": "mistral"}.get(self.architecture, "llama")
+        """A config.json that `transformers` accepts for the same geometry (dense families)."""
+        model_type = self.model_type or {"Qwen2ForCausalLM": "qwen2",
+                                         "MistralForCausalLM": "mistral"}.get(self.architecture, "llama")
         out = {
             "architectures": [self.architecture], "model_type": model_type,
             "hidden_size": self.hidden_size, "num_hidden_layers": self.num_hidden_layers,

@@ -4,6 +4,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from meshserve.models.model_config import ModelConfig
+
 from .specs import GPUSpec, ModelSpec
 from .units import GB, MiB
 
@@ -99,53 +101,22 @@ def get_gpu(name: str, calibration_file: str | Path | None = None) -> GPUSpec:
     raise ValueError(f"unknown GPU {name!r}; valid: {', '.join(gpu_names())}")
 
 
-def _first(cfg: dict, *keys: str, default=None):
-    for k in keys:
-        if cfg.get(k) is not None:
-            return cfg[k]
-    return default
-
-
 def model_from_hf_config(cfg: dict, name: str = "config.json") -> ModelSpec:
-    """Geometry from a Hugging Face `config.json` (Llama, Qwen2, Mistral, Mixtral, Qwen-MoE,
-    DeepSeek-V2/V3 key names). The parameter count is computed from the geometry."""
-    cfg = cfg.get("text_config") or cfg  # multimodal configs nest the language model
+    """Geometry from a Hugging Face `config.json`, read by the engine's own parser (so the planner
+    and the engine never disagree on a model). The parameter count is computed from the geometry."""
+    return spec_from_model_config(ModelConfig.from_hf_config(cfg, name), name)
 
-    def need(*keys: str):
-        value = _first(cfg, *keys)
-        if value is None:
-            raise ValueError(f"{name}: missing {' or '.join(keys)}")
-        return value
 
-    hidden = int(need("hidden_size", "n_embd", "d_model"))
-    heads = int(need("num_attention_heads", "n_head"))
-    experts = int(_first(cfg, "num_local_experts", "n_routed_experts", "num_experts", default=0))
-    moe_inter = int(_first(cfg, "moe_intermediate_size", default=0)) or (
-        int(need("intermediate_size")) if experts else 0)
-    shared = _first(cfg, "n_shared_experts", default=0)
-    if not shared and cfg.get("shared_expert_intermediate_size") and moe_inter:
-        shared = cfg["shared_expert_intermediate_size"] // moe_inter
-    model_type = str(cfg.get("model_type", ""))
+def spec_from_model_config(c: ModelConfig, name: str) -> ModelSpec:
+    shared = c.num_shared_experts or (
+        c.shared_expert_intermediate_size // c.moe_intermediate_size if c.moe_intermediate_size else 0)
     return ModelSpec(
-        name=name,
-        num_layers=int(need("num_hidden_layers", "n_layer", "num_layers")),
-        hidden_size=hidden,
-        num_attention_heads=heads,
-        num_kv_heads=int(_first(cfg, "num_key_value_heads", default=heads)),
-        head_dim=int(_first(cfg, "head_dim", default=hidden // heads)),
-        intermediate_size=int(_first(cfg, "intermediate_size", "n_inner", default=4 * hidden)),
-        vocab_size=int(need("vocab_size")),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        attention_bias=bool(cfg.get("attention_bias", model_type.startswith("qwen2"))),
-        max_context=int(_first(cfg, "max_position_embeddings", default=8192)),
-        num_experts=experts,
-        experts_per_token=int(_first(cfg, "num_experts_per_tok", default=0)) if experts else 0,
-        moe_intermediate_size=moe_inter,
-        num_shared_experts=int(shared or 0),
-        first_dense_layers=int(_first(cfg, "first_k_dense_replace", default=0)),
-        kv_lora_rank=int(_first(cfg, "kv_lora_rank", default=0)),
-        q_lora_rank=int(_first(cfg, "q_lora_rank", default=0)),
-        qk_rope_head_dim=int(_first(cfg, "qk_rope_head_dim", default=0)),
-        qk_nope_head_dim=int(_first(cfg, "qk_nope_head_dim", default=0)),
-        v_head_dim=int(_first(cfg, "v_head_dim", default=0)),
-    )
+        name=name, num_layers=c.num_hidden_layers, hidden_size=c.hidden_size,
+        num_attention_heads=c.num_attention_heads, num_kv_heads=c.num_key_value_heads,
+        head_dim=c.head_dim, intermediate_size=c.intermediate_size, vocab_size=c.vocab_size,
+        tie_word_embeddings=c.tie_word_embeddings, attention_bias=c.attention_bias,
+        max_context=c.max_position_embeddings, num_experts=c.num_experts,
+        experts_per_token=c.num_experts_per_tok, moe_intermediate_size=c.moe_intermediate_size,
+        num_shared_experts=shared, first_dense_layers=c.first_dense_layers,
+        kv_lora_rank=c.kv_lora_rank, q_lora_rank=c.q_lora_rank, qk_rope_head_dim=c.qk_rope_head_dim,
+        qk_nope_head_dim=c.qk_nope_head_dim, v_head_dim=c.v_head_dim)

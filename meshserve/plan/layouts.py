@@ -1,7 +1,8 @@
 """TP x PP x DP layouts of a GPU count, and the structural rules a layout must obey.
 
-Rejected (the engine would refuse): TP that does not divide the attention heads, TP that neither
-divides nor is a multiple of the KV heads (fractional sharding), PP deeper than the layers.
+Rejected: what the engine refuses (`models/sharding.tp_size_problem`, the same rule: TP must divide
+the attention heads and every MLP width, and divide or be a multiple of the KV heads), and PP deeper
+than the layers.
 Flagged (runs, but costs): KV-head replication, an uneven pipeline split (the fullest stage
 governs), a TP group that spans nodes (all-reduce over the inter-node network), a replica that
 spans nodes (stage sends over the network).
@@ -9,6 +10,8 @@ spans nodes (stage sends over the network).
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from meshserve.models.sharding import tp_size_problem
 
 from .specs import ModelSpec
 
@@ -67,11 +70,10 @@ def enumerate_layouts(num_gpus: int, tp: int | None = None, pp: int | None = Non
 def structural_check(spec: ModelSpec, layout: Layout, gpus_per_node: int) -> tuple[list[str], list[str]]:
     """(reasons to reject, flags) that follow from the geometry and the topology alone."""
     errors, flags = [], []
-    tp, pp, heads, kv = layout.tp, layout.pp, spec.num_attention_heads, spec.num_kv_heads
-    if heads % tp:
-        errors.append(f"fractional sharding: {heads} attention heads do not split over TP={tp}")
-    elif not spec.is_mla and kv % tp and tp % kv:
-        errors.append(f"fractional sharding: {kv} KV heads neither divide nor are divided by TP={tp}")
+    tp, pp, kv = layout.tp, layout.pp, spec.num_kv_heads
+    problem = tp_size_problem(spec.sharded_dims, tp)
+    if problem is not None:
+        errors.append(f"fractional sharding at TP={tp}: {problem}")
     elif spec.is_mla and tp > 1:
         flags.append(f"MLA latent cache replicated on all {tp} TP ranks")
     elif tp > kv:

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from meshserve.models.sharding import ShardedDims
+
 from .units import GB, GiB, MiB
 
 
@@ -61,6 +63,16 @@ class ModelSpec:
     @property
     def is_mla(self) -> bool:
         return self.kv_lora_rank > 0
+
+    @property
+    def sharded_dims(self) -> ShardedDims:
+        """What TP splits, for the engine's own validity rule (models/sharding.py)."""
+        sizes = {self.moe_intermediate_size} if self.is_moe else set()
+        if not self.is_moe or self.first_dense_layers:
+            sizes.add(self.intermediate_size)
+        if self.num_shared_experts:
+            sizes.add(self.moe_intermediate_size)
+        return ShardedDims(self.num_attention_heads, self.num_kv_heads, tuple(sorted(sizes)), self.is_mla)
 
     @property
     def kind(self) -> str:

@@ -14,10 +14,10 @@ from pathlib import Path
 
 from meshserve.config import EngineConfig
 from meshserve.distributed.timing import RankTiming, TimingStats, mean_timing
-from meshserve.distributed.validation import check_parallel_layout, kv_heads_replicated
 from meshserve.engine.step import StepInput, StepResult
 from meshserve.layers.sampler import SamplerOutput
 from meshserve.models.loader import ModelSource
+from meshserve.models.sharding import check_parallel_layout, kv_heads_replicated
 from meshserve.worker.worker import Worker
 
 logger = logging.getLogger("meshserve")

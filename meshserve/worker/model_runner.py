@@ -13,8 +13,8 @@ from meshserve.layers.attention import AttentionMetadata, PrefillSeq
 from meshserve.layers.cpu_gemm import prepack_model
 from meshserve.layers.rotary import RotaryEmbedding
 from meshserve.layers.sampler import Sampler, SamplerOutput
-from meshserve.models.llama import LlamaForCausalLM
 from meshserve.models.loader import ModelSource
+from meshserve.models.registry import model_class
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +38,7 @@ class ModelRunner:
         self.max_model_len = max_model_len
         cfg = source.config
         torch.manual_seed(config.seed)
-        model = LlamaForCausalLM(cfg, config.pipeline_split)
+        model = model_class(cfg.architecture)(cfg, config.pipeline_split)
         if config.load_format == "dummy":
             _init_dummy_(model, config.seed + self.ps.rank)
         else:

@@ -76,3 +76,25 @@ def test_gguf_conversion_is_cached(monkeypatch):
 def test_unknown_model_is_a_clear_error():
     with pytest.raises(ValueError, match="never downloaded"):
         loader.resolve_model("meta-llama/Llama-3.1-8B")
+
+
+def test_architectures_come_from_the_registry(tmp_path, monkeypatch):
+    """config.json's architecture selects the class; an unknown one is refused before loading,
+    naming the supported ones; a family registered in a new module is found the same way."""
+    from meshserve.models import registry
+    from meshserve.models.llama import LlamaForCausalLM
+    assert registry.model_class("Qwen2ForCausalLM") is LlamaForCausalLM
+    assert registry.architecture_of_gguf("qwen2") == "Qwen2ForCausalLM"
+    cfg = {"architectures": ["GPTNeoXForCausalLM"], "hidden_size": 64, "intermediate_size": 128,
+           "num_hidden_layers": 1, "num_attention_heads": 4, "vocab_size": 100}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="GPTNeoXForCausalLM.*not supported; supported: .*LlamaForCausalLM"):
+        loader.resolve_model(str(tmp_path / "config.json"), load_format="dummy")
+    monkeypatch.setattr(registry, "_CLASSES", dict(registry._CLASSES))
+
+    @registry.register_model("GPTNeoXForCausalLM")
+    class Family:
+        pass
+
+    assert registry.model_class("GPTNeoXForCausalLM") is Family
+    assert loader.resolve_model(str(tmp_path / "config.json"), load_format="dummy").config.num_hidden_layers == 1

@@ -6,9 +6,9 @@ import psutil
 import pytest
 
 from meshserve import LLM
-from meshserve.distributed.validation import check_parallel_layout, valid_tp_sizes
 from meshserve.engine.step import SeqStep, StepInput
 from meshserve.models.model_config import ModelConfig
+from meshserve.models.sharding import ShardedDims, check_parallel_layout, valid_tp_sizes
 from meshserve.sampling_params import SamplingParams
 from meshserve.worker.microbatch import split_microbatches
 from meshserve.worker.worker import cpu_shares
@@ -20,10 +20,10 @@ def _cfg(heads=8, kv=2, layers=4, inter=128) -> ModelConfig:
 
 
 def test_valid_tp_sizes_follow_heads_and_kv_heads():
-    assert valid_tp_sizes(_cfg(8, 2)) == [1, 2, 4, 8]  # 4 and 8 replicate the 2 KV heads
-    assert valid_tp_sizes(_cfg(9, 3, inter=1536)) == [1, 3]  # SmolLM2-135M: 1536 does not split 9 ways
-    assert valid_tp_sizes(_cfg(12, 4, inter=96)) == [1, 2, 4, 12]  # 3 and 6: KV heads 4 vs 3 or 6
-    assert valid_tp_sizes(_cfg(8, 8, inter=36)) == [1, 2, 4]  # the MLP must split too
+    assert valid_tp_sizes(ShardedDims.of(_cfg(8, 2))) == [1, 2, 4, 8]  # 4 and 8 replicate the 2 KV heads
+    assert valid_tp_sizes(ShardedDims.of(_cfg(9, 3, inter=1536))) == [1, 3]  # SmolLM2-135M: 1536 does not split 9 ways
+    assert valid_tp_sizes(ShardedDims.of(_cfg(12, 4, inter=96))) == [1, 2, 4, 12]  # 3 and 6: KV heads 4 vs 3 or 6
+    assert valid_tp_sizes(ShardedDims.of(_cfg(8, 8, inter=36))) == [1, 2, 4]  # the MLP must split too
 
 
 @pytest.mark.parametrize("tp,pp,split,message", [

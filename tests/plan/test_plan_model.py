@@ -4,6 +4,7 @@ import math
 
 import pytest
 
+from meshserve.models.model_config import ModelConfig
 from meshserve.plan import GPUS, MODELS, PlanConfig, get_gpu, get_model, plan
 from meshserve.plan.goodput import Workload, operating_point, slo_capacity
 from meshserve.plan.memory import kv_bytes_per_token
@@ -221,3 +222,23 @@ def test_inputs_are_validated():
 def test_gpu_memory_override_is_in_gib():
     plans = layouts("Llama-3.1-8B", "H100-SXM", 1, gpu_memory_gib=40)
     assert plans["TP1 PP1 DP1"].memory.memory_per_gpu_bytes == 40 * GiB
+
+
+def test_every_layout_the_planner_ranks_is_one_the_engine_accepts():
+    """One validity rule: for every catalog model and GPU count, a layout the planner keeps passes the
+    engine's own check (and SmolLM2's TP=9, which its MLP of 1536 cannot split, is refused by both)."""
+    from meshserve.models.sharding import ShardedDims, tp_size_problem
+    from meshserve.plan.catalog import MODELS
+    for name, spec in MODELS.items():
+        for n in (1, 2, 3, 4, 6, 8, 9, 12, 16):
+            for plan in layouts(name, "H200", n, weight_dtype="fp8").values():
+                accepted = tp_size_problem(spec.sharded_dims, plan.layout.tp) is None
+                if plan.valid:
+                    assert accepted, (name, n, plan.layout)
+                elif not accepted:
+                    assert "fractional sharding" in " ".join(plan.reasons)
+    smol = MODELS["SmolLM2-135M"]
+    assert ShardedDims.of(ModelConfig.from_hf_config({
+        "hidden_size": 576, "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
+        "intermediate_size": 1536, "vocab_size": 49152})) == smol.sharded_dims
+    assert not layouts("SmolLM2-135M", "H200", 9)["TP9 PP1 DP1"].valid

@@ -1,33 +1,60 @@
-"""Which tensor/pipeline layouts a model admits, checked before any worker process starts.
+"""Which tensor/pipeline layouts a model admits: the one rule, used by the engine before any worker
+process starts and by the planner before it ranks a layout.
 
 TP shards query heads, KV heads, the MLP's intermediate size and the vocabulary across ranks:
 - every rank needs the same number of query heads, so TP must divide the attention heads;
 - KV heads are either split evenly (TP divides them) or replicated (TP is a multiple of them, so each
   KV head lives on TP / KV-heads ranks); anything else would leave a rank with query heads whose KV
   head sits on another rank;
-- the gate/up and down projections split the intermediate size, so TP must divide it too.
+- the gate/up and down projections split the intermediate size (of the dense MLP, of each expert,
+  of a shared expert), so TP must divide each of them too;
+- latent attention (MLA) keeps one latent per token on every rank, so KV heads do not restrict TP.
 The vocabulary is padded to a multiple of TP, so it never restricts TP.
 PP splits the decoder layers into contiguous stages of at least one layer each.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from meshserve.models.model_config import ModelConfig
 
 
-def tp_size_problem(cfg: ModelConfig, tp: int) -> str | None:
+@dataclass(frozen=True)
+class ShardedDims:
+    """The sizes tensor parallelism splits, whoever describes the model (engine or planner)."""
+    attention_heads: int
+    kv_heads: int
+    mlp_sizes: tuple[int, ...]  # every MLP width a layer has: dense, routed expert, shared expert
+    latent_kv: bool = False  # MLA: one latent per token, replicated on every TP rank
+
+    @classmethod
+    def of(cls, cfg: ModelConfig) -> "ShardedDims":
+        layers = range(cfg.num_hidden_layers)
+        sizes = set()
+        if any(not cfg.is_moe_layer(i) for i in layers):
+            sizes.add(cfg.intermediate_size)
+        if cfg.num_moe_layers:
+            sizes.add(cfg.moe_intermediate_size)
+            sizes.add(cfg.shared_expert_intermediate_size)
+        return cls(cfg.num_attention_heads, cfg.num_key_value_heads, tuple(sorted(s for s in sizes if s)),
+                   cfg.is_mla)
+
+
+def tp_size_problem(dims: ShardedDims, tp: int) -> str | None:
     """Why `tp` cannot shard this model, or None when it can."""
-    heads, kv = cfg.num_attention_heads, cfg.num_key_value_heads
+    heads, kv = dims.attention_heads, dims.kv_heads
     if heads % tp:
         return f"it does not divide the {heads} attention heads"
-    if kv % tp and tp % kv:
+    if not dims.latent_kv and kv % tp and tp % kv:
         return f"neither it nor the {kv} KV heads divides the other"
-    if cfg.intermediate_size % tp:
-        return f"it does not divide the MLP intermediate size {cfg.intermediate_size}"
+    for size in dims.mlp_sizes:
+        if size % tp:
+            return f"it does not divide the MLP intermediate size {size}"
     return None
 
 
-def valid_tp_sizes(cfg: ModelConfig) -> list[int]:
-    return [t for t in range(1, cfg.num_attention_heads + 1) if tp_size_problem(cfg, t) is None]
+def valid_tp_sizes(dims: ShardedDims) -> list[int]:
+    return [t for t in range(1, dims.attention_heads + 1) if tp_size_problem(dims, t) is None]
 
 
 def kv_heads_replicated(cfg: ModelConfig, tp: int) -> bool:
@@ -56,9 +83,10 @@ def resolve_pipeline_split(num_layers: int, pp: int, split: list[int] | None) ->
 def check_parallel_layout(cfg: ModelConfig, tp: int, pp: int, split: list[int] | None) -> list[int]:
     """Raise ValueError naming the valid sizes when the layout does not fit the model; return the
     layers per pipeline stage."""
-    problem = tp_size_problem(cfg, tp)
+    dims = ShardedDims.of(cfg)
+    problem = tp_size_problem(dims, tp)
     if problem is not None:
-        valid = ", ".join(map(str, valid_tp_sizes(cfg)))
+        valid = ", ".join(map(str, valid_tp_sizes(dims)))
         raise ValueError(f"tensor_parallel_size {tp} cannot shard this model: {problem}; "
                          f"valid tensor_parallel_size values are {valid}")
     return resolve_pipeline_split(cfg.num_hidden_layers, pp, split)
