@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -83,9 +84,12 @@ def _file_sha256(paths: list[Path]) -> str:
                 for chunk in iter(lambda: fh.read(1 << 24), b""):
                     h.update(chunk)
         known[key] = h.hexdigest()[:16]
-        tmp = memo.with_suffix(".tmp")
-        tmp.write_text(json.dumps(known))
-        tmp.replace(memo)
+        # A file of our own, renamed into place: engines starting together never share a temp file
+        # (a lost memo entry only costs one more hash on a later start).
+        fd, tmp = tempfile.mkstemp(dir=memo.parent, prefix="revisions.", suffix=".tmp")
+        with os.fdopen(fd, "w") as fh:
+            fh.write(json.dumps(known))
+        os.replace(tmp, memo)
     return known[key]
 
 

@@ -98,3 +98,20 @@ def test_architectures_come_from_the_registry(tmp_path, monkeypatch):
 
     assert registry.model_class("GPTNeoXForCausalLM") is Family
     assert loader.resolve_model(str(tmp_path / "config.json"), load_format="dummy").config.num_hidden_layers == 1
+
+
+def test_concurrent_revision_hashing_shares_the_cache_dir_safely(tmp_path, monkeypatch):
+    """Engines starting together hash their weights at once: each writes the memo through its own
+    temporary file, so none fails on another's rename and every revision is right."""
+    import hashlib
+    from concurrent.futures import ThreadPoolExecutor
+    monkeypatch.setenv("MESHSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    files = []
+    for i in range(16):
+        f = tmp_path / f"w{i}.safetensors"
+        f.write_bytes(bytes([i]) * 1000)
+        files.append(f)
+    with ThreadPoolExecutor(8) as pool:
+        revisions = list(pool.map(lambda f: loader._file_sha256([f]), files * 3))
+    assert revisions == [hashlib.sha256(f.read_bytes()).hexdigest()[:16] for f in files * 3]
+    assert not list((tmp_path / "cache").glob("*.tmp"))
