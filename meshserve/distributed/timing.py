@@ -1,5 +1,5 @@
 """Where a step's time goes on each rank: compute versus communication (all-reduce, all-gather,
-send/recv), kept as totals since start plus the last step, shown as a table and as Prometheus series.
+send/recv), kept as totals since start plus the last step, shown as a table (the Prometheus series are built from these totals in server/metrics.py).
 
 Communication time is wall time inside the collective, so it includes waiting for the slowest peer:
 for all-reduce the straggling TP rank, for send/recv the previous pipeline stage (the pipeline bubble).
@@ -9,7 +9,6 @@ balance would win back.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
 
 COMM_KINDS = ("all_reduce", "all_gather", "send_recv")
 
@@ -86,48 +85,3 @@ def _row(rank: str, stage: str, tp: str, t: RankTiming) -> list[str]:
     share = t.comm_total_s / wall if wall > 0 else 0.0
     return [rank, stage, tp, f"{t.compute_s:.3f}", *(f"{t.comm_s.get(k, 0.0):.3f}" for k in COMM_KINDS),
             f"{share:.1%}"]
-
-
-class _ParallelTimingCollector:
-    def __init__(self, read_snapshot: Callable[[], dict | None], prefix: str) -> None:
-        self._read, self._prefix = read_snapshot, prefix
-
-    def describe(self):
-        return []  # series exist only at scrape time
-
-    def collect(self):
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-
-        snap = self._read() or {}
-        p = self._prefix
-        compute = GaugeMetricFamily(p + "step_compute_seconds", "Compute time of the last step, per rank.",
-                                    labels=["rank"])
-        comm = GaugeMetricFamily(p + "step_communication_seconds",
-                                 "Communication time of the last step, per rank and kind.", labels=["rank", "kind"])
-        for rank, t in snap.get("last", {}).items():
-            compute.add_metric([str(rank)], t["compute"])
-            for kind in COMM_KINDS:
-                comm.add_metric([str(rank), kind], t["comm"].get(kind, 0.0))
-        compute_total = CounterMetricFamily(p + "compute_seconds", "Compute time since start, per rank.",
-                                            labels=["rank"])
-        comm_total = CounterMetricFamily(p + "communication_seconds",
-                                         "Communication time since start, per rank and kind.", labels=["rank", "kind"])
-        for rank, t in snap.get("total", {}).items():
-            compute_total.add_metric([str(rank)], t["compute"])
-            for kind in COMM_KINDS:
-                comm_total.add_metric([str(rank), kind], t["comm"].get(kind, 0.0))
-        steps = CounterMetricFamily(p + "engine_steps", "Model steps executed.", value=float(snap.get("steps", 0)))
-        yield from (compute, comm, compute_total, comm_total, steps)
-
-
-def register_parallel_metrics(registry, read_snapshot: Callable[[], dict | None],
-                              prefix: str = "meshserve:") -> None:
-    """Add per-rank step timing series to a prometheus_client CollectorRegistry.
-
-    `read_snapshot` returns `TimingStats.snapshot()` (e.g. the engine's latest stats["parallel_timing"])
-    and is called at scrape time. Series: `step_compute_seconds{rank}` and
-    `step_communication_seconds{rank,kind}` (gauges, last step); `compute_seconds_total{rank}`,
-    `communication_seconds_total{rank,kind}` and `engine_steps_total` (counters), so that
-    rate(communication) / (rate(compute) + rate(communication)) is the share of time in communication.
-    """
-    registry.register(_ParallelTimingCollector(read_snapshot, prefix))

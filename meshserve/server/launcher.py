@@ -8,10 +8,9 @@ import logging
 import signal
 from typing import Any, Callable, Sequence
 
-from meshserve.distributed.timing import register_parallel_metrics
 from meshserve.server.engine_client import EngineClient
 from meshserve.server.engine_core import build_llm_engine, config_dict
-from meshserve.server.metrics import ServerMetrics
+from meshserve.server.metrics import ServerMetrics, register_parallel_metrics
 from meshserve.server.server_config import ServerConfig
 
 logger = logging.getLogger("meshserve.server")

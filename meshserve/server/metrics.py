@@ -11,6 +11,8 @@ from typing import Callable
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from meshserve.distributed.timing import COMM_KINDS
+
 PREFIX = "meshserve:"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -79,3 +81,46 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _ParallelTimingCollector:
+    def __init__(self, read_snapshot: Callable[[], dict | None], prefix: str) -> None:
+        self._read, self._prefix = read_snapshot, prefix
+
+    def describe(self):
+        return []  # series exist only at scrape time
+
+    def collect(self):
+        snap = self._read() or {}
+        p = self._prefix
+        compute = GaugeMetricFamily(p + "step_compute_seconds", "Compute time of the last step, per rank.",
+                                    labels=["rank"])
+        comm = GaugeMetricFamily(p + "step_communication_seconds",
+                                 "Communication time of the last step, per rank and kind.", labels=["rank", "kind"])
+        for rank, t in snap.get("last", {}).items():
+            compute.add_metric([str(rank)], t["compute"])
+            for kind in COMM_KINDS:
+                comm.add_metric([str(rank), kind], t["comm"].get(kind, 0.0))
+        compute_total = CounterMetricFamily(p + "compute_seconds", "Compute time since start, per rank.",
+                                            labels=["rank"])
+        comm_total = CounterMetricFamily(p + "communication_seconds",
+                                         "Communication time since start, per rank and kind.", labels=["rank", "kind"])
+        for rank, t in snap.get("total", {}).items():
+            compute_total.add_metric([str(rank)], t["compute"])
+            for kind in COMM_KINDS:
+                comm_total.add_metric([str(rank), kind], t["comm"].get(kind, 0.0))
+        steps = CounterMetricFamily(p + "engine_steps", "Model steps executed.", value=float(snap.get("steps", 0)))
+        yield from (compute, comm, compute_total, comm_total, steps)
+
+
+def register_parallel_metrics(registry, read_snapshot: Callable[[], dict | None],
+                              prefix: str = PREFIX) -> None:
+    """Add per-rank step timing series to a prometheus_client CollectorRegistry.
+
+    `read_snapshot` returns `TimingStats.snapshot()` (e.g. the engine's latest stats["parallel_timing"])
+    and is called at scrape time. Series: `step_compute_seconds{rank}` and
+    `step_communication_seconds{rank,kind}` (gauges, last step); `compute_seconds_total{rank}`,
+    `communication_seconds_total{rank,kind}` and `engine_steps_total` (counters), so that
+    rate(communication) / (rate(compute) + rate(communication)) is the share of time in communication.
+    """
+    registry.register(_ParallelTimingCollector(read_snapshot, prefix))

@@ -8,7 +8,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from meshserve import LLM, SamplingParams
-from meshserve.distributed.timing import register_parallel_metrics
+from meshserve.server.metrics import register_parallel_metrics
 
 
 @pytest.mark.parametrize("tp,pp", [(2, 1), (1, 4), (2, 2)])

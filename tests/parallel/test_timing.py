@@ -2,11 +2,8 @@
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from meshserve.distributed.timing import (
-    RankTiming,
-    TimingStats,
-    register_parallel_metrics,
-)
+from meshserve.distributed.timing import RankTiming, TimingStats
+from meshserve.server.metrics import register_parallel_metrics
 
 
 def _stats() -> TimingStats:
