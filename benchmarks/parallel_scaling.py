@@ -75,9 +75,9 @@ def _timed_step(engine) -> tuple[float, float]:
 
 def run_layout(a: argparse.Namespace, tp: int, pp: int) -> dict:
     from meshserve.config import EngineConfig
+    from meshserve.distributed.placement import pin_to_cores
     from meshserve.engine.llm_engine import LLMEngine
     from meshserve.sampling_params import SamplingParams
-    from meshserve.worker.worker import pin_to_cores
 
     cores = sorted(os.sched_getaffinity(0))[:tp * pp * a.cores_per_rank]
     pin_to_cores(cores)  # this layout's devices; a single rank runs in this process on them

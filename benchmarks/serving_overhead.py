@@ -15,13 +15,16 @@ import asyncio
 import json
 import os
 import random
-import socket
-import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import aiohttp
+
+from meshserve.bench.client import OpenAIStreamClient
+from meshserve.bench.datasets import BenchRequest
+from meshserve.bench.launch import LaunchedServer, free_port
 
 REPO = Path(__file__).resolve().parents[1]
 TARGET_RATIO = 0.85
@@ -74,65 +77,35 @@ def run_offline(llm, prompts: list[list[int]], a: argparse.Namespace) -> tuple[f
     return time.perf_counter() - start, sum(len(o.outputs[0].token_ids) for o in outs)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-async def _stream_one(session: aiohttp.ClientSession, url: str, prompt: list[int], a) -> int:
-    body = {"prompt": prompt, "max_tokens": a.output_len, "temperature": 0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}
-    usage = None
-    async with session.post(url, json=body) as resp:
-        resp.raise_for_status()
-        async for raw in resp.content:
-            line = raw.decode().strip()
-            if line.startswith("data: {"):
-                event = json.loads(line[6:])
-                if "error" in event:
-                    raise RuntimeError(f"stream failed: {event['error']}")
-                usage = event.get("usage") or usage
-    return usage["completion_tokens"]
-
-
 async def _drive(url: str, prompts: list[list[int]], a) -> tuple[float, int]:
+    """Every prompt at once, streamed through the benchmark's own client; (seconds, output tokens)."""
     timeout = aiohttp.ClientTimeout(total=None, sock_read=3600)
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
-        await _stream_one(session, url, [1000 + i for i in range(8)], argparse.Namespace(output_len=2))
+        async with session.get(url + "/v1/models") as resp:
+            model = (await resp.json())["data"][0]["id"]
+        client = OpenAIStreamClient(session, url, "/v1/completions", model)
+        await client.send(BenchRequest([1000 + i for i in range(8)], 8, 2))  # warm-up
         start = time.perf_counter()
-        counts = await asyncio.gather(*(_stream_one(session, url, p, a) for p in prompts))
-        return time.perf_counter() - start, sum(counts)
+        records = await asyncio.gather(*(client.send(BenchRequest(p, len(p), a.output_len)) for p in prompts))
+        elapsed = time.perf_counter() - start
+    failed = [r.error for r in records if not r.success]
+    if failed:
+        raise RuntimeError(f"{len(failed)} streams failed: {sorted(set(failed))}")
+    return elapsed, sum(r.output_tokens for r in records)
 
 
-def start_server(a: argparse.Namespace) -> tuple[subprocess.Popen, str]:
+def start_server(a: argparse.Namespace, log_path: str) -> LaunchedServer:
     port = free_port()
     cmd = [sys.executable, "-m", "meshserve", "serve", a.model, "--port", str(port), "--log-level", "warning",
            *serve_flags(a)]
-    proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
-    base = f"http://127.0.0.1:{port}"
+    server = LaunchedServer(cmd, log_path, port=port, env={**os.environ, "PYTHONPATH": str(REPO)}, cwd=str(REPO))
+    server.start()
     try:
-        _wait_healthy(base, proc)
+        server.wait_healthy_sync(600)
     except BaseException:
-        proc.kill()
+        server.stop()
         raise
-    return proc, base
-
-
-def _wait_healthy(base: str, proc: subprocess.Popen, timeout: float = 600) -> None:
-    import urllib.request
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with code {proc.returncode}")
-        try:
-            with urllib.request.urlopen(base + "/health", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError("the server did not become healthy")
+    return server
 
 
 def main() -> int:
@@ -142,17 +115,17 @@ def main() -> int:
     llm = LLM(a.model, **engine_settings(a))
     vocab_size = llm.get_tokenizer().vocab_size
     llm.generate([[1000 + i for i in range(8)]], SamplingParams(temperature=0, max_tokens=2))  # warm-up
-    proc, base = start_server(a)
+    log = tempfile.NamedTemporaryFile(prefix="meshserve-overhead-", suffix=".log")
+    server = start_server(a, log.name)
     runs: dict[str, list[tuple[float, int]]] = {"offline": [], "server": []}
     try:
         # Alternate the two so that drifting load on the machine hits both alike; keep the best of each.
         for round_ in range(a.repeats):
             prompts = random_prompts(a, vocab_size, round_)
             runs["offline"].append(run_offline(llm, prompts, a))
-            runs["server"].append(asyncio.run(_drive(base + "/v1/completions", prompts, a)))
+            runs["server"].append(asyncio.run(_drive(server.url, prompts, a)))
     finally:
-        proc.terminate()
-        proc.wait(60)
+        server.stop(60)
     expected = a.num_prompts * a.output_len
     bad = {name: tokens for name, rs in runs.items() for _, tokens in rs if tokens != expected}
     if bad:

@@ -1,4 +1,4 @@
-"""`meshserve serve | generate | gateway | bench | plan`: one CLI, one module per subcommand.
+"""`meshserve serve | generate | bench | plan`: one CLI, one module per subcommand.
 
 Each subcommand module exposes `register(subparsers)`, which adds its parser and sets
 `func` to the callable that runs it. Modules import heavy dependencies (torch) lazily so

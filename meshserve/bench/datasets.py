@@ -48,7 +48,7 @@ _MAX_FIT_ROUNDS = 32
 
 @dataclass(frozen=True)
 class BenchRequest:
-    prompt: str
+    prompt: str | list[int]  # text, or token ids (completions endpoint only)
     prompt_len: int | None  # tokens as the tokenizer counts them; None when unknown
     output_len: int
 

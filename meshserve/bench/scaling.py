@@ -12,17 +12,12 @@ baseline being the first layout that ran.
 """
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import math
 import os
 import re
 import shlex
-import signal
-import socket
-import subprocess
 import tempfile
-import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -30,6 +25,7 @@ import aiohttp
 
 from meshserve.bench import environment
 from meshserve.bench.config import METRICS, BenchConfig, LoadConfig
+from meshserve.bench.launch import LaunchedServer, free_port
 from meshserve.bench.runner import Benchmark
 
 DEFAULT_LAUNCH = ("meshserve serve {model} --port {port} --tensor-parallel-size {tp} "
@@ -84,81 +80,6 @@ def launch_argv(template: str, layout: Layout, model: str, host: str, port: int)
         raise ValueError(f"--launch-command has unknown placeholder {exc}; valid: "
                          + ", ".join("{" + p + "}" for p in PLACEHOLDERS)) from None
     return shlex.split(text)
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-class LaunchedServer:
-    """A server process in its own process group, stopped on exit from the `with`."""
-
-    def __init__(self, argv: list[str], log_path: str, host: str, port: int,
-                 grace_s: float = 20.0) -> None:
-        self.argv, self.log_path, self.grace_s = argv, log_path, grace_s
-        self.url = f"http://{host}:{port}"
-        self.proc: subprocess.Popen | None = None
-
-    def __enter__(self) -> "LaunchedServer":
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=log,
-                                         stderr=subprocess.STDOUT, start_new_session=True)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
-
-    @property
-    def pid(self) -> int:
-        assert self.proc is not None
-        return self.proc.pid
-
-    def _log_tail(self, lines: int = 5) -> str:
-        try:
-            with open(self.log_path, encoding="utf-8", errors="replace") as f:
-                return " | ".join(f.read().strip().splitlines()[-lines:])
-        except OSError:
-            return ""
-
-    async def wait_healthy(self, timeout_s: float) -> None:
-        assert self.proc is not None
-        deadline = time.monotonic() + timeout_s
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session:
-            while time.monotonic() < deadline:
-                if self.proc.poll() is not None:
-                    raise RuntimeError(f"server exited with code {self.proc.returncode} before "
-                                       f"/health answered (log {self.log_path}: "
-                                       f"{self._log_tail()})")
-                try:
-                    async with session.get(self.url + "/health") as resp:
-                        if resp.status == 200:
-                            return
-                except (aiohttp.ClientError, TimeoutError):
-                    pass
-                await asyncio.sleep(0.25)
-        raise RuntimeError(f"{self.url}/health did not answer 200 within {timeout_s:g} s "
-                           f"(log {self.log_path})")
-
-    def stop(self) -> None:
-        if self.proc is None:
-            return
-        self._signal_group(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=self.grace_s)
-        except subprocess.TimeoutExpired:
-            pass
-        # Also after a clean exit of the leader: workers it left behind die with the group.
-        self._signal_group(signal.SIGKILL)
-        self.proc.wait()
-
-    def _signal_group(self, sig: signal.Signals) -> None:
-        assert self.proc is not None
-        try:
-            os.killpg(self.proc.pid, sig)  # start_new_session made the pid the group id
-        except (ProcessLookupError, PermissionError):
-            pass
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from meshserve.models.loader import resolve_model
 from meshserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from meshserve.sampling_params import SamplingParams
 from meshserve.tokenizer import Tokenizer
-from meshserve.worker.executor import make_executor
+from meshserve.worker.factory import make_executor
 
 logger = logging.getLogger("meshserve")
 

@@ -48,7 +48,7 @@ def _cpu_flags() -> list[str]:
 def _build():
     from torch.utils.cpp_extension import load_inline
 
-    from meshserve.models.loader import cache_dir
+    from meshserve.utils.paths import cache_dir
 
     # -fopenmp makes at::parallel_for use torch's OpenMP pool (same libgomp, already loaded).
     # Without trapping math (as torch itself is built) GCC vectorises loops with clamps in them.

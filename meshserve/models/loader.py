@@ -24,18 +24,13 @@ import torch
 from meshserve.models.model_config import ModelConfig
 from meshserve.models.registry import architecture_of_gguf, check_supported
 from meshserve.tokenizer import Tokenizer
+from meshserve.utils.paths import cache_dir
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_ID = "SmolLM2-135M-Instruct"
 _DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _CONVERSION_VERSION = "2"  # bump when the GGUF -> safetensors conversion changes
-
-
-def cache_dir() -> Path:
-    d = Path(os.environ.get("MESHSERVE_CACHE_DIR", Path.home() / ".cache" / "meshserve"))
-    d.mkdir(parents=True, exist_ok=True)
-    return d
 
 
 def default_gguf_path() -> Path:

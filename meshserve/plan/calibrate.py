@@ -9,8 +9,8 @@ Three measurements, a few seconds in all:
 Times are wall-clock by default. On a CPU shared with other work, `cpu_time=True` (with one
 thread) times matmul and copies in the calling thread's CPU time, so time slices taken by other
 processes do not count; a step timer compared against such a calibration must do the same.
-The result is JSON at $MESHSERVE_CALIBRATION_FILE, else $XDG_CACHE_HOME/meshserve/calibration.json,
-else ~/.cache/meshserve/calibration.json; the `this-machine` GPU entry reads it back.
+The result is JSON at $MESHSERVE_CALIBRATION_FILE, else calibration.json in meshserve's cache
+directory (`meshserve.utils.paths.cache_dir`); the `this-machine` GPU entry reads it back.
 """
 from __future__ import annotations
 
@@ -24,6 +24,8 @@ import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Callable
+
+from meshserve.utils.paths import cache_dir
 
 from .specs import GPUSpec
 
@@ -64,8 +66,7 @@ class Calibration:
 def default_calibration_path() -> Path:
     if env := os.environ.get("MESHSERVE_CALIBRATION_FILE"):
         return Path(env).expanduser()
-    cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(cache) / "meshserve" / "calibration.json"
+    return cache_dir() / "calibration.json"
 
 
 def save_calibration(cal: Calibration, path: str | Path | None = None) -> Path:

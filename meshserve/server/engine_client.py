@@ -11,14 +11,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing as mp
-import os
 import queue
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Sequence
 
+from meshserve.distributed.placement import ReplicaPlacement, available_cores, place
 from meshserve.engine.messages import AddRequest, RequestDelta
+from meshserve.engine.routing import LeastLoad, ReplicaLoad, RouteRequest, RoutingPolicy
 from meshserve.sampling_params import SamplingParams
 from meshserve.server.engine_core import run_engine_core
 
@@ -57,26 +58,6 @@ class _EngineHandle:
         self.threads: list[threading.Thread] = []
 
 
-def split_gpus(dp_size: int) -> list[str | None]:
-    """CUDA_VISIBLE_DEVICES for each data-parallel engine: the visible GPUs in equal consecutive
-    shares (None: leave it alone, for one engine or a machine without GPUs)."""
-    if dp_size == 1:
-        return [None]
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None:
-        devices = [d.strip() for d in visible.split(",") if d.strip()]
-    else:
-        import torch  # counting does not create a CUDA context; the engines start fresh (spawn)
-        devices = [str(i) for i in range(torch.cuda.device_count())]
-    if not devices:
-        return [None] * dp_size
-    if len(devices) < dp_size:
-        raise ValueError(f"--data-parallel-size {dp_size} needs at least {dp_size} GPUs; "
-                         f"{len(devices)} are visible")
-    per = len(devices) // dp_size
-    return [",".join(devices[r * per:(r + 1) * per]) for r in range(dp_size)]
-
-
 @dataclass
 class EngineInfo:
     model_info: dict
@@ -85,10 +66,14 @@ class EngineInfo:
 
 
 class EngineClient:
-    def __init__(self, factories: Sequence[Callable[[], Any]], listener=None, log_level: str = "info") -> None:
+    def __init__(self, factories: Sequence[Callable[[], Any]], listener=None, log_level: str = "info",
+                 placements: Sequence[ReplicaPlacement] | None = None) -> None:
         """`factories`: one picklable callable per engine, building it inside the engine process.
-        `listener`: gets on_tokens(state, now), on_finished(state, delta, now), on_aborted(n)."""
+        `listener`: gets on_tokens(state, now), on_finished(state, delta, now), on_aborted(n).
+        `placements`: each engine's devices (default: single-rank replicas sharing the CPU cores)."""
         self._factories = list(factories)
+        self._placements = list(placements or place(len(self._factories), 1, available_cores()))
+        self.routing: RoutingPolicy = LeastLoad()
         self._log_level = log_level
         self._engines: list[_EngineHandle] = []
         self._requests: dict[str, RequestState] = {}
@@ -102,13 +87,11 @@ class EngineClient:
     def start(self, timeout: float = 900.0) -> EngineInfo:
         """Spawn the engines and wait until each has loaded its model (blocking)."""
         ctx = mp.get_context("spawn")
-        n = len(self._factories)
-        gpus = split_gpus(n)
         for rank, factory in enumerate(self._factories):
             in_r, in_w = ctx.Pipe(duplex=False)
             out_r, out_w = ctx.Pipe(duplex=False)
             proc = ctx.Process(target=run_engine_core, name=f"meshserve-engine-{rank}",
-                               args=(factory, in_r, out_w, rank, n, gpus[rank], self._log_level))
+                               args=(factory, in_r, out_w, rank, self._placements[rank], self._log_level))
             proc.start()
             in_r.close()  # the child holds these ends now; closing ours lets EOF reach the other side
             out_w.close()
@@ -255,11 +238,14 @@ class EngineClient:
                 self.num_unstarted -= 1
         return state
 
-    def _pick_engine(self) -> _EngineHandle:
-        live = [h for h in self._engines if h.alive]
+    def _pick_engine(self, prompt_ids: list[int]) -> _EngineHandle:
+        live = [ReplicaLoad(h.rank, h.outstanding) for h in self._engines if h.alive]
         if not live or self._closing:
             raise EngineDeadError("no engine is running")
-        return min(live, key=lambda h: h.outstanding)
+        request = RouteRequest(prompt_ids)
+        rank = self.routing.choose(live, request).index
+        self.routing.on_dispatch(rank, request)
+        return self._engines[rank]
 
     def abort(self, request_ids) -> None:
         by_engine: dict[int, list[str]] = {}
@@ -282,7 +268,7 @@ class EngineClient:
         pending = set()
         try:
             for request_id, prompt_ids, params in requests:
-                h = self._pick_engine()
+                h = self._pick_engine(prompt_ids)
                 self._requests[request_id] = RequestState(sink, h.rank, arrival)
                 h.outstanding += 1
                 self.num_unstarted += 1

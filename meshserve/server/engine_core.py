@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import signal
 import time
 import traceback
 from multiprocessing.connection import Connection
 from typing import Any, Callable
 
+from meshserve.distributed.placement import ReplicaPlacement, apply_replica_placement
 from meshserve.engine.messages import AddRequest, RequestDelta, SampleDelta
 from meshserve.sampling_params import SamplingParams
 
@@ -128,17 +128,8 @@ class EngineLoop:
             self.outbox.send(("stats", stats))
 
 
-def _limit_devices(dp_size: int, gpus: str | None) -> None:
-    """Give each data-parallel engine its own GPUs (or its share of the CPU cores)."""
-    if gpus is not None:
-        os.environ["CUDA_VISIBLE_DEVICES"] = gpus  # before torch touches CUDA in this process
-    elif dp_size > 1:
-        import torch
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // dp_size))
-
-
 def run_engine_core(factory: Callable[[], Any], inbox: Connection, outbox: Connection,
-                    dp_rank: int = 0, dp_size: int = 1, gpus: str | None = None,
+                    dp_rank: int = 0, placement: ReplicaPlacement | None = None,
                     log_level: str = "info") -> None:
     """Entry point of the engine process (multiprocessing target)."""
     # The front end owns the lifecycle: on SIGTERM it drains first, then tells us to stop.
@@ -147,7 +138,8 @@ def run_engine_core(factory: Callable[[], Any], inbox: Connection, outbox: Conne
     logging.basicConfig(level=log_level.upper(), format=f"%(levelname)s engine {dp_rank}: %(message)s")
     engine = None
     try:
-        _limit_devices(dp_size, gpus)
+        if placement is not None:
+            apply_replica_placement(placement)
         try:
             engine = factory()
         except ValueError as exc:  # a configuration the engine refuses: a message, not a traceback

@@ -8,6 +8,7 @@ import logging
 import signal
 from typing import Any, Callable, Sequence
 
+from meshserve.distributed.placement import place_for_device
 from meshserve.server.engine_client import EngineClient
 from meshserve.server.engine_core import build_llm_engine, config_dict
 from meshserve.server.metrics import ServerMetrics, register_parallel_metrics
@@ -21,9 +22,12 @@ def run_server(engine_config: Any, config: ServerConfig,
     """Blocking. Returns 0 after a graceful shutdown. `factories` (one per engine) replace the
     default LLMEngine(engine_config) builder, e.g. to serve another engine implementation."""
     logging.basicConfig(level=config.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    placements = None
     if factories is None:
         factories = [functools.partial(build_llm_engine, engine_config)] * config.data_parallel_size
-    client = EngineClient(factories, log_level=config.log_level)
+        placements = place_for_device(config.data_parallel_size, engine_config.world_size,
+                                      engine_config.resolved_device().type)
+    client = EngineClient(factories, log_level=config.log_level, placements=placements)
     metrics = ServerMetrics(client.stats)
     register_parallel_metrics(metrics.registry, client.parallel_timing)
     client.listener = metrics

@@ -2,7 +2,8 @@
 
 `UniProcExecutor` runs a single rank in the engine's own process (TP = PP = 1);
 `MultiprocExecutor` (mp_executor.py) runs TP x PP worker processes on this host;
-`RayExecutor` (ray_executor.py) runs them as Ray actors, on one node or many.
+`RayExecutor` (ray_executor.py) runs them as Ray actors, on one node or many;
+`make_executor` (factory.py) checks the layout and picks one.
 The engine keeps the scheduler and block manager; every rank gets every step and only the sampling
 rank (last stage, TP rank 0) returns tokens.
 """
@@ -17,7 +18,6 @@ from meshserve.distributed.timing import RankTiming, TimingStats, mean_timing
 from meshserve.engine.step import StepInput, StepResult
 from meshserve.layers.sampler import SamplerOutput
 from meshserve.models.loader import ModelSource
-from meshserve.models.sharding import check_parallel_layout, kv_heads_replicated
 from meshserve.worker.worker import Worker
 
 logger = logging.getLogger("meshserve")
@@ -129,24 +129,3 @@ class DistributedExecutor(Executor):
         if self._closed:
             raise RuntimeError("the executor has been shut down")
         self._probe()
-
-
-def make_executor(config: EngineConfig, source: ModelSource, max_model_len: int) -> Executor:
-    """Check the layout against the model (ValueError naming the valid sizes), then start the ranks."""
-    cfg, tp = source.config, config.tensor_parallel_size
-    check_parallel_layout(cfg, tp, config.pipeline_parallel_size, config.pipeline_split)
-    if kv_heads_replicated(cfg, tp):
-        logger.warning("tensor_parallel_size %d exceeds the model's %d KV heads: each KV head is replicated on "
-                       "%d ranks, so the per-rank KV cache stops shrinking beyond TP=%d",
-                       tp, cfg.num_key_value_heads, tp // cfg.num_key_value_heads, cfg.num_key_value_heads)
-    backend = config.distributed_executor_backend
-    if config.world_size == 1:
-        return UniProcExecutor(config, source, max_model_len)
-    if backend == "uni":
-        raise ValueError(f"the in-process executor runs one rank, but tensor_parallel_size x "
-                         f"pipeline_parallel_size = {config.world_size}; use 'mp' or 'ray'")
-    if backend == "ray":
-        from meshserve.worker.ray_executor import RayExecutor
-        return RayExecutor(config, source, max_model_len)
-    from meshserve.worker.mp_executor import MultiprocExecutor
-    return MultiprocExecutor(config, source, max_model_len)

@@ -32,9 +32,9 @@ from typing import NoReturn
 import torch
 
 from meshserve.config import EngineConfig
+from meshserve.distributed.placement import replica_placement
 from meshserve.models.loader import ModelSource
 from meshserve.worker.executor import DistributedExecutor, WorkerFailure
-from meshserve.worker.worker import cpu_shares
 
 logger = logging.getLogger("meshserve")
 
@@ -136,11 +136,12 @@ class MultiprocExecutor(DistributedExecutor):
         if device.type == "cuda" and world > torch.cuda.device_count():
             raise ValueError(f"tensor_parallel_size x pipeline_parallel_size = {world} needs {world} GPUs, "
                              f"but this host has {torch.cuda.device_count()}; use the ray backend to span hosts")
-        cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-        shares = cpu_shares(world, cores) if cores else [[]] * world
-        if cores and world > len(cores):
-            logger.warning("%d ranks share %d CPU cores: each runs one thread, and ranks on the same core "
-                           "take turns", world, len(cores))
+        ranks = replica_placement(world, device.type).ranks
+        shares = [list(r.cores) for r in ranks]
+        pinned = [r.cores for r in ranks if r.cores]
+        if len(set(pinned)) < len(pinned):
+            logger.warning("%d ranks share CPU cores: each runs one thread, and ranks on the same core "
+                           "take turns", world)
         self._tmpdir = tempfile.mkdtemp(prefix="meshserve-dist-")
         store_path = os.path.join(self._tmpdir, "store")
         ctx = _context()
@@ -150,7 +151,7 @@ class MultiprocExecutor(DistributedExecutor):
         for rank in range(world):
             conn, child_conn = ctx.Pipe()
             alive_r, alive_w = ctx.Pipe(duplex=False)
-            rank_device = torch.device("cuda", rank) if device.type == "cuda" else device
+            rank_device = torch.device("cuda", ranks[rank].gpu) if device.type == "cuda" else device
             p = ctx.Process(target=_worker_main, name=f"meshserve-rank{rank}", daemon=True,
                             args=(rank, child_conn, alive_r, config, source, max_model_len, store_path,
                                   rank_device, shares[rank], dict(os.environ)))

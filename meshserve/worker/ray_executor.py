@@ -56,16 +56,16 @@ class RayWorkerActor:
         import torch
         from torch.distributed import TCPStore
 
-        from meshserve.worker.worker import Worker, cpu_shares
+        from meshserve.distributed.placement import available_cores, place
+        from meshserve.worker.worker import Worker
 
         _gloo_on_interface_of(node_ip)
         store = self.store or TCPStore(host, port, config.world_size, is_master=False, timeout=_STORE_TIMEOUT)
         device = config.resolved_device()
         if device.type == "cuda":
             device = torch.device("cuda", 0)  # Ray shows each actor only the GPU it was given
-        cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-        share = cpu_shares(local_world, cores)[local_rank] if cores else None
-        self.worker = Worker(config, source, max_model_len, rank, store, device, share)
+        share = place(1, local_world, available_cores())[0].ranks[local_rank].cores  # ranks on this node
+        self.worker = Worker(config, source, max_model_len, rank, store, device, list(share))
         return self.worker.info
 
     def call(self, method: str, *args):

@@ -16,6 +16,7 @@ from meshserve.distributed.parallel_state import (
     init_distributed,
     set_parallel_state,
 )
+from meshserve.distributed.placement import pin_to_cores
 from meshserve.distributed.timing import RankTiming
 from meshserve.engine.step import StepInput
 from meshserve.models.loader import ModelSource
@@ -30,21 +31,6 @@ logger = logging.getLogger("meshserve")
 
 # A collective that waits this long means a peer is gone or stuck; the rank then fails loudly.
 COLLECTIVE_TIMEOUT_S = 600.0
-
-
-def cpu_shares(world: int, cores: list[int]) -> list[list[int]]:
-    """The cores each rank may run on: equal contiguous shares, or one core each (round-robin) when
-    there are more ranks than cores. Ranks whose OpenMP pools overlap slow each other down many-fold."""
-    if world <= len(cores):
-        per = len(cores) // world
-        return [cores[r * per:(r + 1) * per] for r in range(world)]
-    return [[cores[r % len(cores)]] for r in range(world)]
-
-
-def pin_to_cores(cores: list[int]) -> None:
-    if hasattr(os, "sched_setaffinity"):
-        os.sched_setaffinity(0, cores)
-    torch.set_num_threads(len(cores))
 
 
 class Worker:

@@ -115,3 +115,14 @@ def test_concurrent_revision_hashing_shares_the_cache_dir_safely(tmp_path, monke
         revisions = list(pool.map(lambda f: loader._file_sha256([f]), files * 3))
     assert revisions == [hashlib.sha256(f.read_bytes()).hexdigest()[:16] for f in files * 3]
     assert not list((tmp_path / "cache").glob("*.tmp"))
+
+
+def test_one_cache_directory_rule(tmp_path, monkeypatch):
+    from meshserve.plan.calibrate import default_calibration_path
+    from meshserve.utils.paths import cache_dir
+    monkeypatch.delenv("MESHSERVE_CALIBRATION_FILE", raising=False)
+    monkeypatch.setenv("MESHSERVE_CACHE_DIR", str(tmp_path / "a"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cache_dir() == tmp_path / "a" and default_calibration_path() == tmp_path / "a" / "calibration.json"
+    monkeypatch.delenv("MESHSERVE_CACHE_DIR")
+    assert cache_dir() == tmp_path / "xdg" / "meshserve" == default_calibration_path().parent

@@ -11,7 +11,6 @@ from meshserve.models.model_config import ModelConfig
 from meshserve.models.sharding import ShardedDims, check_parallel_layout, valid_tp_sizes
 from meshserve.sampling_params import SamplingParams
 from meshserve.worker.microbatch import split_microbatches
-from meshserve.worker.worker import cpu_shares
 
 
 def _cfg(heads=8, kv=2, layers=4, inter=128) -> ModelConfig:
@@ -83,8 +82,3 @@ def test_microbatches_balance_tokens_and_keep_order_and_sampling():
     assert [sum(len(s.token_ids) for s in p.seqs) for p in split_microbatches(step, 3, min_tokens=8)] == [10, 9]
     assert split_microbatches(step, 3, min_tokens=20) == [step]
     assert len(split_microbatches(StepInput([SeqStep(1, [3], 5, [0], True, None)]), 4)) == 1
-
-
-def test_cpu_shares_are_disjoint_until_ranks_outnumber_cores():
-    assert cpu_shares(2, [0, 1, 2, 3, 4]) == [[0, 1], [2, 3]]
-    assert cpu_shares(4, [0, 1]) == [[0], [1], [0], [1]]

@@ -26,7 +26,8 @@ import torch
 
 from meshserve.plan import get_gpu, get_model
 from meshserve.plan.calibrate import calibrate
-from meshserve.plan.fidelity import EngineStepTimer, compare_decode_steps
+from benchmarks.step_timers import EngineStepTimer
+from meshserve.plan.fidelity import compare_decode_steps
 from meshserve.plan.planner import make_perf_model
 
 LOWER, UPPER = 1 / 1.5, 6.0

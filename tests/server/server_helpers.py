@@ -3,66 +3,49 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-import httpx
+from meshserve.bench.launch import LaunchedServer, free_port
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+class ServerProcess(LaunchedServer):
+    """`python ARGS --port P` with the test helpers importable; started (and by default waited for)
+    on construction; its log file is removed by stop()."""
 
-
-class ServerProcess:
     def __init__(self, args: list[str], *, startup_timeout: float = 180.0, wait: bool = True) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = tempfile.NamedTemporaryFile(prefix="meshserve-test-", suffix=".log", delete=False)
+        log = tempfile.NamedTemporaryFile(prefix="meshserve-test-", suffix=".log", delete=False)
+        log.close()
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), str(REPO)])}
-        self.proc = subprocess.Popen([sys.executable, *args, "--port", str(self.port)], cwd=REPO, env=env,
-                                     stdout=self.log, stderr=subprocess.STDOUT)
+        port = free_port()
+        super().__init__([sys.executable, *args, "--port", str(port)], log.name, port=port, env=env,
+                         cwd=str(REPO), grace_s=30.0)
+        self.start()
         if wait:
             self.wait_ready(startup_timeout)
 
     def wait_ready(self, timeout: float = 180.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.output()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-        self.stop()
-        raise RuntimeError(f"server did not become healthy in {timeout} s:\n{self.output()}")
+        try:
+            self.wait_healthy_sync(timeout)
+        except RuntimeError as exc:
+            output = self.output()
+            self.stop()
+            raise RuntimeError(f"{exc}:\n{output}") from None
 
     def output(self) -> str:
-        return Path(self.log.name).read_text(errors="replace")[-5000:]
+        return self.log_tail()
 
     def terminate(self) -> None:
-        self.proc.send_signal(signal.SIGTERM)
+        self.signal(signal.SIGTERM)
 
-    def stop(self, timeout: float = 30.0) -> int:
-        if self.proc.poll() is None:
-            self.terminate()
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        Path(self.log.name).unlink(missing_ok=True)
-        return self.proc.returncode
+    def stop(self, timeout: float | None = None) -> int:
+        code = super().stop(timeout)
+        Path(self.log_path).unlink(missing_ok=True)
+        return code
 
 
 def fake_server(*args: str) -> ServerProcess:

@@ -12,7 +12,6 @@ from meshserve.api.errors import from_value_error
 from meshserve.engine.messages import AddRequest
 from meshserve.outputs import CompletionOutput, RequestOutput
 from meshserve.sampling_params import SamplingParams
-from meshserve.server.engine_client import split_gpus
 from meshserve.server.engine_core import DeltaTracker, EngineLoop
 from meshserve.server.server_config import ServerConfig
 
@@ -94,14 +93,3 @@ def test_value_errors_name_their_parameter():
     assert (err.status, err.param) == (400, "max_tokens")
     assert from_value_error(ValueError("prompt must not be empty")).param == "prompt"
     assert from_value_error(ValueError("the KV cache is full")).param is None
-
-
-def test_data_parallel_engines_get_disjoint_gpus(monkeypatch):
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
-    assert split_gpus(2) == ["4,5", "6,7"]
-    assert split_gpus(4) == ["4", "5", "6", "7"]
-    with pytest.raises(ValueError, match="--data-parallel-size 8"):
-        split_gpus(8)
-    assert split_gpus(1) == [None]  # one engine: left alone
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
-    assert split_gpus(2) == [None, None]  # no GPUs: the engines share the CPU cores instead
