@@ -8,7 +8,8 @@ from tqdm import tqdm
 
 from meshserve.config import EngineConfig
 from meshserve.engine.llm_engine import LLMEngine
-from meshserve.outputs import RequestOutput
+from meshserve.engine.messages import RequestDelta
+from meshserve.outputs import CompletionOutput, RequestOutput
 from meshserve.sampling_params import SamplingParams
 
 PromptType = str | list[int]
@@ -36,18 +37,19 @@ class LLM:
             sampling_params = [sampling_params] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(sampling_params)} sampling params")
-        # Validate every prompt before any is queued, so a bad one leaves nothing half-submitted.
-        ids = []
+        collected: dict[str, _Collected] = {}
         try:
             for prompt, params in zip(prompts, sampling_params):
                 rid = f"llm-{next(self._ids)}"
-                self.engine.add_request(rid, prompt, params)
-                ids.append(rid)
-        except ValueError:
-            for rid in ids:
+                ids = self.engine.add_request(rid, prompt, params)
+                collected[rid] = _Collected(rid, prompt if isinstance(prompt, str) else None, ids, params)
+            return self._run(collected, use_tqdm)
+        except BaseException:
+            # Whatever stopped us (a bad prompt, KeyboardInterrupt, an engine error): none of our
+            # requests stays behind, so the next call starts clean.
+            for rid in collected:
                 self.engine.abort_request(rid)
             raise
-        return self._run(ids, use_tqdm)
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -58,13 +60,46 @@ class LLM:
                    for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
-        done: dict[str, RequestOutput] = {}
-        bar = tqdm(total=len(request_ids), desc="generating", disable=not use_tqdm)
-        while self.engine.has_unfinished_requests():
-            for out in self.engine.step():
-                if out.finished:
-                    done[out.request_id] = out
-                    bar.update(1)
-        bar.close()
-        return [done[r] for r in request_ids]
+    def _run(self, collected: dict[str, "_Collected"], use_tqdm: bool) -> list[RequestOutput]:
+        pending = set(collected)
+        with tqdm(total=len(collected), desc="generating", disable=not use_tqdm) as bar:
+            while pending:
+                if not self.engine.has_unfinished_requests():
+                    raise RuntimeError(f"the engine dropped {len(pending)} request(s)")  # a bug, never expected
+                for delta in self.engine.step():
+                    c = collected.get(delta.request_id)
+                    if c is None:
+                        continue
+                    c.add(delta)
+                    if delta.finished:
+                        pending.discard(delta.request_id)
+                        bar.update(1)
+        return [c.output() for c in collected.values()]
+
+
+class _Collected:
+    """One request's output gathered from the engine's per-step deltas."""
+
+    def __init__(self, request_id: str, prompt: str | None, prompt_ids: list[int], params: SamplingParams):
+        self.request_id, self.prompt, self.prompt_ids = request_id, prompt, prompt_ids
+        self.texts: list[list[str]] = [[] for _ in range(params.n)]
+        self.samples = [CompletionOutput(i, "", [], logprobs=[] if params.logprobs is not None else None)
+                        for i in range(params.n)]
+        self.finished, self.metrics, self.error = False, None, None
+
+    def add(self, delta: RequestDelta) -> None:
+        for d in delta.outputs:
+            out = self.samples[d.index]
+            self.texts[d.index].append(d.text)
+            out.token_ids.extend(d.token_ids)
+            if out.logprobs is not None and d.logprobs:
+                out.logprobs.extend(d.logprobs)
+            out.finish_reason, out.stop_reason = d.finish_reason, d.stop_reason
+        if delta.finished:
+            self.finished, self.metrics, self.error = True, delta.metrics, delta.error
+
+    def output(self) -> RequestOutput:
+        for out, texts in zip(self.samples, self.texts):
+            out.text = "".join(texts)
+        return RequestOutput(self.request_id, self.prompt, self.prompt_ids, self.samples, self.finished,
+                             self.metrics, self.error)

@@ -9,7 +9,7 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | None while running
     stop_reason: int | str | None = None  # the stop string or stop token id that matched
     # One dict per generated token: {token_id: logprob} for the sampled token and the top-N.
     logprobs: list[dict[int, float]] | None = None
@@ -38,3 +38,4 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics | None = field(default=None, repr=False)
+    error: str | None = None  # why the request failed (finish_reason "error")

@@ -3,18 +3,25 @@ from __future__ import annotations
 
 from meshserve.tokenizer import Tokenizer
 
+# Prompt tokens decoded before the first output token: enough for a tokenizer that marks word starts
+# (SentencePiece's Metaspace) to render the first token's leading space as it would mid-text.
+PROMPT_CONTEXT_TOKENS = 5
+
 
 class IncrementalDetokenizer:
     """Emits text as tokens arrive, holding back an incomplete UTF-8 character (byte-level BPE can
-    split one across tokens). Decodes a short window per token, not the whole output each step."""
+    split one across tokens). Decodes a short window per token, not the whole output each step.
+    The window starts in the prompt's last tokens, so the first output token is rendered in context
+    (a Metaspace tokenizer strips a leading space from text that starts with a token)."""
 
-    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True):
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True,
+                 prompt_token_ids: list[int] | None = None):
         self.tokenizer = tokenizer
         self.skip = skip_special_tokens
-        self.tokens: list[int] = []
+        context = list((prompt_token_ids or [])[-PROMPT_CONTEXT_TOKENS:])
+        self.tokens: list[int] = context
         self.prefix_offset = 0  # window start: decoding from here reproduces text already emitted
-        self.read_offset = 0  # tokens before this are fully emitted
-        self.text = ""
+        self.read_offset = len(context)  # tokens before this are emitted (or are the prompt's)
 
     def add(self, token_id: int) -> str:
         self.tokens.append(token_id)
@@ -31,7 +38,6 @@ class IncrementalDetokenizer:
             return ""
         delta = full[len(prefix):]
         self.prefix_offset, self.read_offset = self.read_offset, len(self.tokens)
-        self.text += delta
         return delta
 
 

@@ -11,14 +11,15 @@ from dataclasses import dataclass, field
 
 from meshserve.config import EngineConfig
 from meshserve.engine.block_manager import BlockManager
-from meshserve.engine.detokenizer import IncrementalDetokenizer, find_stop
+from meshserve.engine.messages import RequestDelta
+from meshserve.engine.output import RequestState
 from meshserve.engine.scheduler import Scheduler, SchedulerOutput
 from meshserve.engine.sequence import Sequence
 from meshserve.engine.step import SeqStep, StepInput
 from meshserve.models.loader import resolve_model
-from meshserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from meshserve.sampling_params import SamplingParams
 from meshserve.tokenizer import Tokenizer
+from meshserve.worker.executor import WorkerFailure
 from meshserve.worker.factory import make_executor
 
 logger = logging.getLogger("meshserve")
@@ -42,25 +43,6 @@ class EngineStats:
     parallel_timing: dict = field(default_factory=dict)
 
 
-class _RequestState:
-    def __init__(self, request_id: str, prompt: str | None, prompt_ids: list[int], params: SamplingParams,
-                 seqs: list[Sequence], detoks: list[IncrementalDetokenizer], arrival: float):
-        self.request_id, self.prompt, self.prompt_ids, self.params = request_id, prompt, prompt_ids, params
-        self.seqs, self.detoks = seqs, detoks
-        self.outputs = [CompletionOutput(i, "", [], logprobs=[] if params.logprobs is not None else None)
-                        for i in range(len(seqs))]
-        self.metrics = RequestMetrics(arrival_time=arrival)
-
-    @property
-    def finished(self) -> bool:
-        return all(o.finished for o in self.outputs)
-
-    def snapshot(self) -> RequestOutput:
-        outs = [CompletionOutput(o.index, o.text, list(o.token_ids), o.finish_reason, o.stop_reason,
-                                 list(o.logprobs) if o.logprobs is not None else None) for o in self.outputs]
-        return RequestOutput(self.request_id, self.prompt, self.prompt_ids, outs, self.finished, self.metrics)
-
-
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
@@ -68,6 +50,14 @@ class LLMEngine:
         mcfg = self.source.config
         self.tokenizer: Tokenizer = (Tokenizer.from_hf_dir(config.tokenizer) if config.tokenizer
                                      else self.source.load_tokenizer())
+        # The model's embedding bounds every token id, whatever the tokenizer can produce.
+        self.vocab_size = mcfg.vocab_size
+        if self.tokenizer.vocab_size > mcfg.vocab_size:
+            what = (f"the tokenizer's vocabulary ({self.tokenizer.vocab_size} tokens) is larger than the "
+                    f"model's embedding ({mcfg.vocab_size})")
+            if config.tokenizer or self.source.has_own_tokenizer:
+                raise ValueError(f"{what}: they do not belong together; give the model's own tokenizer")
+            logger.warning("%s: prompts whose ids fall outside the model's vocabulary are refused", what)
         self.max_model_len = config.max_model_len or mcfg.max_position_embeddings
         if self.max_model_len > mcfg.max_position_embeddings:
             raise ValueError(f"max_model_len ({self.max_model_len}) exceeds the model's context "
@@ -92,8 +82,8 @@ class LLMEngine:
                                           extra_hash_key=self.source.revision)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, self.max_num_batched_tokens,
                                    config.enable_chunked_prefill)
-        self.requests: dict[str, _RequestState] = {}
-        self.seq_to_request: dict[int, _RequestState] = {}
+        self.requests: dict[str, RequestState] = {}
+        self.seq_to_request: dict[int, RequestState] = {}
         self._finished_seq_ids: list[int] = []
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
@@ -113,69 +103,100 @@ class LLMEngine:
     @property
     def model_info(self) -> dict:
         return {"id": self.config.served_model_name or self.source.model_id,
-                "max_model_len": self.max_model_len, "revision": self.source.revision}
+                "max_model_len": self.max_model_len, "revision": self.source.revision,
+                "vocab_size": self.vocab_size}
 
     # ---- requests ----------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    arrival_time: float | None = None) -> None:
+                    arrival_time: float | None = None) -> list[int]:
+        """Queue a request; returns its prompt token ids. ValueError (naming the problem) for a
+        request the engine cannot serve: nothing is queued then."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        if isinstance(prompt, str):
-            text, ids = prompt, self.tokenizer.encode(prompt)
-        else:
-            text, ids = None, list(prompt)
-            vocab = self.source.config.vocab_size
-            if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab for t in ids):
-                raise ValueError(f"prompt token ids must be integers in [0, {vocab - 1}]")
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise ValueError("prompt must not be empty")
+        vocab = self.vocab_size
+        if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab for t in ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab - 1}] (the model's vocabulary)")
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt is {len(ids)} tokens; it must be shorter than max_model_len "
                              f"({self.max_model_len}) to leave room for at least one generated token")
         params._eos_token_ids = () if params.ignore_eos else self.eos_token_ids
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         seqs = [Sequence(request_id, i, ids, params, arrival) for i in range(params.n)]
-        detoks = [IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens) for _ in seqs]
-        state = _RequestState(request_id, text, ids, params, seqs, detoks, arrival)
+        state = RequestState(request_id, ids, params, self.tokenizer, arrival, seqs)
         self.requests[request_id] = state
         for s in seqs:
             self.seq_to_request[s.seq_id] = state
             self.scheduler.add(s)
+        return ids
 
-    def abort_request(self, request_id: str) -> RequestOutput | None:
-        state = self.requests.pop(request_id, None)
-        if state is None:
-            return None
-        for seq, out in zip(state.seqs, state.outputs):
-            if not seq.is_finished:
-                self.scheduler.finish(seq, "abort")
-                out.finish_reason = "abort"
-            self._forget(seq)
-        state.metrics.finished_time = time.monotonic()
-        return state.snapshot()
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request wherever it is and free its blocks; a no-op for an unknown id."""
+        state = self.requests.get(request_id)
+        if state is not None:
+            self._finish_request(state, "abort")
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
-    def _forget(self, seq: Sequence) -> None:
-        self.seq_to_request.pop(seq.seq_id, None)
-        self._finished_seq_ids.append(seq.seq_id)
+    def _finish_request(self, state: RequestState, reason: str) -> None:
+        for seq in state.seqs:
+            if not seq.is_finished:
+                self.scheduler.finish(seq, reason)
+        state.finish_all(reason)
+        self._retire(state, time.monotonic())
+
+    def _retire(self, state: RequestState, now: float) -> None:
+        state.metrics.finished_time = now
+        del self.requests[state.request_id]
+        for seq in state.seqs:
+            self.seq_to_request.pop(seq.seq_id, None)
+            self._finished_seq_ids.append(seq.seq_id)
 
     # ---- the loop ----------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[RequestDelta]:
+        """One model step over what the scheduler picks; returns what each touched request gained.
+
+        A step that raises (a bug, a kernel error, out of memory) fails only the requests in it, with
+        finish_reason "error"; its blocks are freed and none of them stays in the prefix cache. A dead
+        rank (WorkerFailure) is not contained: the executor is gone, so the engine is too."""
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
-        step_input = self._step_input(sched)
         now = time.monotonic()
         for item in sched.scheduled:
             m = self.seq_to_request[item.seq.seq_id].metrics
             if m.first_scheduled_time is None:
                 m.first_scheduled_time = now
-        result = self.executor.execute(step_input)
+        try:
+            result = self.executor.execute(self._step_input(sched))
+        except WorkerFailure:
+            raise
+        except Exception as exc:
+            return self._fail_step(sched, exc)
+        except BaseException:  # KeyboardInterrupt: the caller aborts its requests
+            self.block_manager.rollback_step()
+            raise
+        self.block_manager.commit_step()
         self.last_step_compute_s = result.compute_s
         self.last_step_comm_s = sum(result.comm_s.values())
         return self._update(sched, result.sampled)
+
+    def _fail_step(self, sched: SchedulerOutput, exc: Exception) -> list[RequestDelta]:
+        logger.error("an engine step failed (%s: %s); failing the %d request(s) in it",
+                     type(exc).__name__, exc, len({i.seq.request_id for i in sched.scheduled}),
+                     exc_info=logger.isEnabledFor(logging.DEBUG))
+        self.block_manager.rollback_step()
+        failed = {self.seq_to_request[i.seq.seq_id].request_id: self.seq_to_request[i.seq.seq_id]
+                  for i in sched.scheduled}
+        deltas = []
+        for state in failed.values():
+            state.error = f"the engine step failed: {type(exc).__name__}: {exc}"
+            self._finish_request(state, "error")
+            deltas.append(state.take_delta())
+        return deltas
 
     def _step_input(self, sched: SchedulerOutput) -> StepInput:
         seqs = []
@@ -183,41 +204,44 @@ class LLMEngine:
             seq = item.seq
             sample = item.completes
             p = seq.params
+            # The sampling rank keeps each penalized sequence's token counts and adds the tokens it
+            # samples; it needs the history only once (and again after its state was dropped).
+            history = None
+            if sample and p.has_penalties and not seq.sampler_has_history:
+                history = (seq.token_ids[:seq.num_prompt_tokens], seq.output_token_ids)
             seqs.append(SeqStep(
                 seq.seq_id, seq.token_ids[item.start:item.start + item.num_tokens], item.start,
                 list(seq.block_table), sample, p if sample else None,
                 seed_key=(hash((p.seed, seq.index)) & 0x7FFFFFFF) if p.seed is not None else 0,
-                history=(seq.token_ids[:seq.num_prompt_tokens], seq.output_token_ids)
-                if sample and p.has_penalties else None))
+                history=history))
         finished, self._finished_seq_ids = self._finished_seq_ids, []
         return StepInput(seqs, finished)
 
-    def _update(self, sched: SchedulerOutput, sampled) -> list[RequestOutput]:
+    def _update(self, sched: SchedulerOutput, sampled) -> list[RequestDelta]:
         now = time.monotonic()
-        touched: dict[str, _RequestState] = {}
+        touched: dict[str, RequestState] = {}
         row = 0
         for item in sched.scheduled:
             seq = item.seq
             seq.num_computed_tokens = item.start + item.num_tokens
             if not item.completes:
                 continue
-            token = sampled.token_ids[row]
-            lp = sampled.logprobs[row]
-            row += 1
+            if seq.params.has_penalties:
+                seq.sampler_has_history = True
             state = self.seq_to_request[seq.seq_id]
-            self._append_token(state, seq, token, lp, now)
+            self._append_token(state, seq, sampled.token_ids[row], sampled.logprobs[row], now)
+            row += 1
             touched[state.request_id] = state
-        outputs = []
+        deltas = []
         for state in touched.values():
+            delta = state.take_delta()
+            if delta is not None:
+                deltas.append(delta)
             if state.finished:
-                state.metrics.finished_time = now
-                del self.requests[state.request_id]
-                for s in state.seqs:
-                    self._forget(s)
-            outputs.append(state.snapshot())
-        return outputs
+                self._retire(state, now)
+        return deltas
 
-    def _append_token(self, state: _RequestState, seq: Sequence, token: int, lp, now: float) -> None:
+    def _append_token(self, state: RequestState, seq: Sequence, token: int, lp, now: float) -> None:
         seq.token_ids.append(token)
         self.num_generation_tokens += 1
         m = state.metrics
@@ -226,36 +250,21 @@ class LLMEngine:
             self.num_prompt_tokens += len(state.prompt_ids)
             m.num_cached_prompt_tokens = max(0, seq.num_cached_tokens)
         m.last_token_time = now
-        out = state.outputs[seq.index]
-        out.token_ids.append(token)
-        if lp is not None:
-            chosen, top = lp
-            entry = dict(top)
-            entry[token] = chosen
-            out.logprobs.append(entry)
-        detok = state.detoks[seq.index]
-        delta = detok.add(token)
         p = seq.params
         reason, stop_reason = None, None
-        if seq.num_output_tokens >= p.min_tokens and (token in p.stop_token_ids or token in p._eos_token_ids):
+        may_stop = seq.num_output_tokens >= p.min_tokens
+        if may_stop and (token in p.stop_token_ids or token in p._eos_token_ids):
             reason, stop_reason = "stop", (token if token in p.stop_token_ids else None)
         elif p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens:
             reason = "length"
         elif seq.num_tokens >= self.max_model_len:
             reason = "length"
+        sample = state.samples[seq.index]
+        sample.append(token, lp, final=reason is not None, check_stops=may_stop)
         if reason is not None:
-            delta += detok.flush()
-        text = detok.text
-        if p.stop and delta and seq.num_output_tokens >= p.min_tokens:
-            hit = find_stop(text, len(delta), p.stop)
-            if hit is not None:
-                i, s = hit
-                text = text[:i + len(s)] if p.include_stop_str_in_output else text[:i]
-                reason, stop_reason = "stop", s
-        out.text = text
-        if reason is not None:
-            out.finish_reason, out.stop_reason = reason, stop_reason
-            self.scheduler.finish(seq, reason, stop_reason)
+            sample.finish(reason, stop_reason)
+        if sample.finished:
+            self.scheduler.finish(seq, sample.finish_reason, sample.stop_reason)
 
     def get_stats(self) -> EngineStats:
         bm = self.block_manager

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from meshserve.outputs import RequestMetrics
 from meshserve.sampling_params import SamplingParams
 
 
@@ -31,6 +32,11 @@ class SampleDelta:
 
 @dataclass(slots=True)
 class RequestDelta:
+    """What one step added to a request: the samples that moved. The last delta of a request has
+    `finished`, the engine-side timestamps, and for a request that failed (finish_reason "error")
+    the reason."""
     request_id: str
     outputs: list[SampleDelta]
     finished: bool
+    error: str | None = None
+    metrics: RequestMetrics | None = None

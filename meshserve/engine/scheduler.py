@@ -90,10 +90,10 @@ class Scheduler:
             if not self.bm.allocate_slots(seq, n, prefix):
                 break
             self.waiting.popleft()
-            self.bm.prefix_queries += seq.num_tokens
-            self.bm.prefix_hits += start
-            if seq.num_cached_tokens < 0:
+            if seq.num_cached_tokens < 0:  # first admission; a preempted sequence's return is not a query
                 seq.num_cached_tokens = start
+                self.bm.prefix_queries += seq.num_tokens
+                self.bm.prefix_hits += start
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             out.scheduled.append(ScheduledSeq(seq, start, n))

@@ -28,11 +28,13 @@ class Sequence:
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []  # hash chain of this sequence's full blocks, filled lazily
+        self.chain_ids: list[int] = []  # prefix-cache ids of its full blocks registered so far
         self.num_cached_tokens = -1  # prefix-cache hit at first scheduling; -1 = not yet scheduled
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
+        self.sampler_has_history = False  # the sampling rank holds its penalty state
 
     @property
     def num_tokens(self) -> int:

@@ -22,7 +22,9 @@ class SeqStep:
     sample: bool
     params: SamplingParams | None = None
     seed_key: int = 0
-    history: tuple[list[int], list[int]] | None = None  # (prompt, output) ids, only with penalties
+    # (prompt, output) ids of a penalized sequence, the first time it samples (the sampling rank keeps
+    # its counts from then on).
+    history: tuple[list[int], list[int]] | None = None
 
 
 @dataclass

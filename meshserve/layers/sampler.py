@@ -20,28 +20,57 @@ class SamplerOutput:
     logprobs: list[tuple[float, list[tuple[int, float]]] | None]
 
 
-def _penalize(logits: torch.Tensor, params: list[SamplingParams],
-              histories: list[tuple[list[int], list[int]] | None]):
-    """Rows without penalties have no history (None) and pass through unchanged."""
-    b, v = logits.shape
+def _penalize(logits: torch.Tensor, params: list[SamplingParams], counts: torch.Tensor,
+              seen: torch.Tensor) -> torch.Tensor:
+    """`counts[r, t]`: how often row r generated token t; `seen[r, t]`: t is in its prompt or output.
+    Rows without penalties (repetition 1, frequency and presence 0) come out unchanged."""
     dev = logits.device
-    out_counts = torch.zeros(b, v, device=dev)
-    seen = torch.zeros(b, v, dtype=torch.bool, device=dev)
-    for r, history in enumerate(histories):
-        if history is None:
-            continue
-        prompt, output = history
-        if output:
-            ids = torch.tensor(output, device=dev)
-            out_counts[r].index_add_(0, ids, torch.ones(len(output), device=dev))
-        seen[r, torch.tensor(prompt + output, dtype=torch.long, device=dev)] = True
     rep = torch.tensor([p.repetition_penalty for p in params], device=dev).unsqueeze(1)
     freq = torch.tensor([p.frequency_penalty for p in params], device=dev).unsqueeze(1)
     pres = torch.tensor([p.presence_penalty for p in params], device=dev).unsqueeze(1)
     # Repetition penalty (CTRL): seen tokens' positive logits shrink, negative ones grow.
     penalized = torch.where(logits > 0, logits / rep, logits * rep)
     logits = torch.where(seen, penalized, logits)
-    return logits - freq * out_counts - pres * (out_counts > 0).float()
+    return logits - freq * counts - pres * (counts > 0).float()
+
+
+class PenaltyState:
+    """Per penalized sequence, on the sampling rank: output-token counts and the tokens seen (prompt
+    and output). Built once from the history the engine sends, then kept up to date with each token
+    sampled here, so no step has to ship a sequence's whole history again."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.counts: dict[int, torch.Tensor] = {}
+        self.seen: dict[int, torch.Tensor] = {}
+
+    def load(self, seq_id: int, vocab: int, prompt: list[int], output: list[int]) -> None:
+        dev = self.device
+        counts = torch.zeros(vocab, device=dev)
+        if output:
+            counts.index_add_(0, torch.tensor(output, device=dev), torch.ones(len(output), device=dev))
+        seen = torch.zeros(vocab, dtype=torch.bool, device=dev)
+        seen[torch.tensor(prompt + output, dtype=torch.long, device=dev)] = True
+        self.counts[seq_id], self.seen[seq_id] = counts, seen
+
+    def batch(self, seq_ids: list[int], vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+        counts = torch.zeros(len(seq_ids), vocab, device=self.device)
+        seen = torch.zeros(len(seq_ids), vocab, dtype=torch.bool, device=self.device)
+        for r, sid in enumerate(seq_ids):
+            if sid in self.counts:
+                counts[r], seen[r] = self.counts[sid], self.seen[sid]
+        return counts, seen
+
+    def add_sampled(self, seq_ids: list[int], tokens: list[int]) -> None:
+        for sid, tok in zip(seq_ids, tokens):
+            if sid in self.counts:
+                self.counts[sid][tok] += 1
+                self.seen[sid][tok] = True
+
+    def forget(self, seq_ids) -> None:
+        for s in seq_ids:
+            self.counts.pop(s, None)
+            self.seen.pop(s, None)
 
 
 class Sampler:
@@ -49,10 +78,12 @@ class Sampler:
         self.device = torch.device(device)
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.seq_generators: dict[int, torch.Generator] = {}
+        self.penalties = PenaltyState(self.device)
 
     def forget(self, seq_ids) -> None:
         for s in seq_ids:
             self.seq_generators.pop(s, None)
+        self.penalties.forget(seq_ids)
 
     def _noise(self, b: int, v: int, seq_ids: list[int], params: list[SamplingParams], seed_keys: list[int]):
         noise = torch.empty(b, v, device=self.device).exponential_(generator=self.generator)
@@ -68,12 +99,18 @@ class Sampler:
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, seq_ids: list[int], params: list[SamplingParams],
                  seed_keys: list[int], histories: list | None = None) -> SamplerOutput:
+        """`histories[r]`: (prompt ids, output ids) of a penalized row whose state this sampler does
+        not hold yet (None otherwise); later steps need none."""
         logits = logits.float()
         b, v = logits.shape
         want_lp = [p.logprobs for p in params]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(n is not None for n in want_lp) else None
-        if histories is not None:
-            logits = _penalize(logits, params, histories)
+        penalized = [sid for sid, p in zip(seq_ids, params) if p.has_penalties]
+        if penalized:
+            for sid, history in zip(seq_ids, histories or [None] * b):
+                if history is not None:
+                    self.penalties.load(sid, v, *history)
+            logits = _penalize(logits, params, *self.penalties.batch(seq_ids, v))
         greedy_rows = torch.tensor([p.greedy for p in params], device=self.device)
         tokens = logits.argmax(dim=-1)
         if not bool(greedy_rows.all()):
@@ -82,6 +119,8 @@ class Sampler:
             sampled = (probs / self._noise(b, v, seq_ids, params, seed_keys)).argmax(dim=-1)
             tokens = torch.where(greedy_rows, tokens, sampled)
         token_list = tokens.tolist()
+        if penalized:
+            self.penalties.add_sampled(seq_ids, token_list)
         return SamplerOutput(token_list, self._logprobs(raw_logprobs, token_list, want_lp))
 
     def _filtered_probs(self, logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

@@ -48,8 +48,12 @@ class ModelSource:
     revision: str  # hash of the weights
     config: ModelConfig
 
+    @property
+    def has_own_tokenizer(self) -> bool:
+        return (self.path / "tokenizer.json").exists()
+
     def load_tokenizer(self) -> Tokenizer:
-        if self.revision == "dummy" and not (self.path / "tokenizer.json").exists():
+        if self.revision == "dummy" and not self.has_own_tokenizer:
             # A bare geometry (config.json only) for benchmarking: token-id prompts matter, text
             # is cosmetic, so borrow the embedded model's tokenizer.
             logger.warning("%s has no tokenizer.json; using the embedded default model's tokenizer", self.path)

@@ -20,8 +20,7 @@ from multiprocessing.connection import Connection
 from typing import Any, Callable
 
 from meshserve.distributed.placement import ReplicaPlacement, apply_replica_placement
-from meshserve.engine.messages import AddRequest, RequestDelta, SampleDelta
-from meshserve.sampling_params import SamplingParams
+from meshserve.engine.messages import AddRequest
 
 
 def build_llm_engine(config) -> Any:
@@ -35,49 +34,11 @@ def _stats_dict(stats) -> dict:
     return dict(stats) if isinstance(stats, dict) else dict(vars(stats))
 
 
-class DeltaTracker:
-    """Turns the engine's cumulative outputs into deltas; remembers how much of each sample was sent.
-
-    While a sample can still hit a stop string, its last (longest stop - 1) characters are held back:
-    they might be the start of a stop string that the final text will not contain."""
-
-    def __init__(self) -> None:
-        self._sent: dict[str, dict[int, tuple[int, int]]] = {}  # request -> index -> (tokens, chars)
-        self._holdback: dict[str, int] = {}
-
-    def track(self, request_id: str, params: SamplingParams) -> None:
-        self._sent[request_id] = {}
-        if params.stop:
-            self._holdback[request_id] = max(len(s) for s in params.stop) - 1
-
-    def forget(self, request_id: str) -> None:
-        self._sent.pop(request_id, None)
-        self._holdback.pop(request_id, None)
-
-    def delta(self, out) -> RequestDelta:
-        sent = self._sent.setdefault(out.request_id, {})
-        holdback = self._holdback.get(out.request_id, 0)
-        samples = []
-        for c in out.outputs:
-            ntok, nchar = sent.get(c.index, (0, 0))
-            if len(c.token_ids) == ntok and c.finish_reason is None:
-                continue  # this sample did not move in this step
-            end = len(c.text) if c.finish_reason is not None else max(nchar, len(c.text) - holdback)
-            samples.append(SampleDelta(c.index, c.text[nchar:end], list(c.token_ids[ntok:]),
-                                       c.logprobs[ntok:] if c.logprobs is not None else None,
-                                       c.finish_reason, c.stop_reason))
-            sent[c.index] = (len(c.token_ids), end)
-        if out.finished:
-            self.forget(out.request_id)
-        return RequestDelta(out.request_id, samples, out.finished)
-
-
 class EngineLoop:
     def __init__(self, engine, inbox: Connection, outbox: Connection) -> None:
         self.engine = engine
         self.inbox = inbox
         self.outbox = outbox
-        self.tracker = DeltaTracker()
         self._last_stats: dict | None = None
 
     def run(self) -> None:
@@ -91,9 +52,8 @@ class EngineLoop:
                 if not self._handle(self.inbox.recv()):
                     return
             if engine.has_unfinished_requests():
-                outputs = engine.step()
+                deltas = engine.step()
                 now = time.monotonic()
-                deltas = [self.tracker.delta(o) for o in outputs]
                 self._last_stats = self._stats()
                 self.outbox.send(("step", now, deltas, self._last_stats))
 
@@ -108,11 +68,8 @@ class EngineLoop:
                                             arrival_time=req.arrival_time)
                 except ValueError as exc:
                     self.outbox.send(("reject", req.request_id, str(exc)))
-                else:
-                    self.tracker.track(req.request_id, req.params)
             elif kind == "abort":
                 for request_id in op[1]:
-                    self.tracker.forget(request_id)
                     self.engine.abort_request(request_id)  # a no-op if it finished meanwhile
             elif kind == "shutdown":
                 return False

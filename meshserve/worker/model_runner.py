@@ -148,6 +148,5 @@ class ModelRunner:
             return None
         sampling = [s for s in step.seqs if s.sample]
         params = [s.params for s in sampling]
-        histories = [s.history for s in sampling] if any(p.has_penalties for p in params) else None
         return self.sampler(logits, [s.seq_id for s in sampling], params, [s.seed_key for s in sampling],
-                            histories)
+                            [s.history for s in sampling])

@@ -95,3 +95,45 @@ def test_disabled_prefix_caching_never_hits():
 def test_no_blocks_is_a_clear_error():
     with pytest.raises(ValueError, match="kv_cache_memory_bytes"):
         BlockManager(0, BS)
+
+
+def test_a_hit_checks_the_parent_chain_not_only_the_blocks_own_tokens():
+    bm = BlockManager(16, BS)
+    a = seq(range(9))
+    admit(bm, a)
+    bm.commit_step()
+    # Forge a collision: the second block's entry claims to extend a different first block.
+    second = bm.blocks[a.block_table[1]]
+    second.parent_cache_id = 12345
+    assert len(bm.find_cached_prefix(seq(list(range(8)) + [50]))) == 1
+
+
+def test_a_failed_step_leaves_nothing_in_the_cache():
+    bm = BlockManager(16, BS)
+    a = seq(range(9))
+    admit(bm, a)
+    assert len(bm.find_cached_prefix(seq(list(range(8)) + [50]))) == 2  # visible within its own step
+    bm.rollback_step()
+    bm.free(a)
+    assert not bm.cached and bm.find_cached_prefix(seq(list(range(8)) + [50])) == []
+    assert bm.num_free_blocks == 16
+    b = seq(range(9))  # a committed step keeps its entries
+    admit(bm, b)
+    bm.commit_step()
+    bm.rollback_step()
+    assert len(bm.find_cached_prefix(seq(list(range(8)) + [50]))) == 2
+
+
+def test_registration_work_does_not_grow_with_length():
+    """Each step hashes and registers only the blocks it filled, not the whole sequence again."""
+    bm = BlockManager(64, BS)
+    s = seq(range(5))
+    admit(bm, s)
+    calls = []
+    real = bm._block_tokens
+    bm._block_tokens = lambda q, i: calls.append(i) or real(q, i)
+    for t in range(100, 140):  # decode 40 tokens
+        s.num_computed_tokens = s.num_tokens
+        s.token_ids.append(t)
+        assert bm.allocate_slots(s, 1)
+    assert sorted(calls) == list(range(1, 11))  # blocks 1..10 registered once each

@@ -1,7 +1,7 @@
 """Sampler arithmetic on synthetic logits: filters, penalties and logprobs, exactly."""
 import torch
 
-from meshserve.layers.sampler import Sampler, _penalize
+from meshserve.layers.sampler import PenaltyState, Sampler, _penalize
 from meshserve.sampling_params import SamplingParams
 
 LOGITS = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0]])
@@ -34,21 +34,39 @@ def test_sampling_follows_the_distribution():
     assert hot.min() > 300  # near uniform
 
 
+def _state(prompt, output, vocab=5):
+    st = PenaltyState(torch.device("cpu"))
+    st.load(0, vocab, prompt, output)
+    return st.batch([0], vocab)
+
+
 def test_penalties():
-    hist = [([4], [0, 0, 1])]  # prompt has token 4; output has token 0 twice and token 1 once
     logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, -1.0]])
+    counts, seen = _state([4], [0, 0, 1])  # prompt has token 4; output has token 0 twice and token 1 once
 
     def penalized(**kw):
-        return _penalize(logits.clone(), [SamplingParams(**kw)], hist)[0].tolist()
+        return _penalize(logits.clone(), [SamplingParams(**kw)], counts, seen)[0].tolist()
 
     assert penalized(presence_penalty=1.5) == [2.5, 1.5, 2.0, 1.0, -1.0]
     assert penalized(frequency_penalty=0.5) == [3.0, 2.5, 2.0, 1.0, -1.0]
     # repetition: seen positive logits divided, seen negative ones multiplied (prompt tokens count)
     assert penalized(repetition_penalty=2.0) == [2.0, 1.5, 2.0, 1.0, -2.0]
-    s = Sampler()
+    hist = [([4], [0, 0, 1])]
     close = torch.tensor([[3.5, 3.0, 2.0, 1.0, -1.0]])
-    assert s(close, [0], [SamplingParams(temperature=0)], [0], hist).token_ids == [0]
-    assert s(close, [0], [SamplingParams(temperature=0, presence_penalty=2.0)], [0], hist).token_ids == [2]
+    assert Sampler()(close, [0], [SamplingParams(temperature=0)], [0], hist).token_ids == [0]
+    assert Sampler()(close, [0], [SamplingParams(temperature=0, presence_penalty=2.0)], [0], hist).token_ids == [2]
+
+
+def test_penalty_state_follows_the_sampled_tokens_without_resending_history():
+    """The history goes to the sampler once; every token it samples afterwards is counted there."""
+    s = Sampler()
+    p = SamplingParams(temperature=0, frequency_penalty=2.0)
+    logits = torch.tensor([[3.0, 2.5, 2.0, 0.0, 0.0]])
+    picks = [s(logits, [7], [p], [0], [([4], [])] if i == 0 else None).token_ids[0] for i in range(4)]
+    # 0 (3.0) -> 1 (2.5 vs 3-2=1) -> 2 (2.0 vs 1, 0.5) -> 0 (3-2=1 vs 0.5, 0, ... ) ties broken low
+    assert picks == [0, 1, 2, 0]
+    s.forget([7])
+    assert not s.penalties.counts
 
 
 def test_logprobs_are_raw_log_softmax_with_top_n():
@@ -65,8 +83,10 @@ def test_rows_without_penalties_share_a_batch_with_penalized_rows():
     """A penalized request batched with plain ones: plain rows carry no history and are unchanged."""
     logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, -1.0]] * 2)
     params = [SamplingParams(temperature=0), SamplingParams(temperature=0, presence_penalty=2.0)]
-    out = _penalize(logits.clone(), params, [None, ([4], [0, 0, 1])])
-    assert out[0].tolist() == logits[0].tolist()
-    assert out[1].tolist() == [2.0, 1.0, 2.0, 1.0, -1.0]
     s = Sampler()
     assert s(logits, [0, 1], params, [0, 0], [None, ([4], [0, 0, 1])]).token_ids == [0, 0]
+    counts, seen = s.penalties.batch([0, 1], 5)
+    assert counts[0].sum() == 0 and not seen[0].any()  # the plain row has no state
+    out = _penalize(logits.clone(), params, counts, seen)
+    assert out[0].tolist() == logits[0].tolist()
+    assert out[1].tolist() == [2.0, 1.0, 2.0, 1.0, -1.0]

@@ -12,9 +12,9 @@ import argparse
 import functools
 import sys
 import time
-from dataclasses import dataclass, field
 
-from meshserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from meshserve.engine.messages import RequestDelta
+from meshserve.engine.output import RequestState
 
 BLOCK = 16
 NUM_BLOCKS = 64
@@ -36,41 +36,28 @@ class FakeTokenizer:
         return text + ("<assistant>" if add_generation_prompt else "")
 
 
-@dataclass
-class _Req:
-    request_id: str
-    prompt: list[int]
-    params: object
-    metrics: RequestMetrics
-    outputs: list[CompletionOutput] = field(default_factory=list)
-
-    @property
-    def finished(self) -> bool:
-        return all(o.finish_reason is not None for o in self.outputs)
-
-
 class FakeEngine:
     def __init__(self, step_delay: float = 0.002, max_num_seqs: int = 8, max_model_len: int = 128):
         self.tokenizer = FakeTokenizer()
-        self.model_info = {"id": "fake-echo", "max_model_len": max_model_len, "revision": "0123456789abcdef"}
+        self.model_info = {"id": "fake-echo", "max_model_len": max_model_len, "revision": "0123456789abcdef",
+                           "vocab_size": 256}
         self.step_delay = step_delay
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
-        self.waiting: list[_Req] = []
-        self.running: list[_Req] = []
+        self.waiting: list[RequestState] = []
+        self.running: list[RequestState] = []
         self.prompt_tokens = 0
         self.generation_tokens = 0
 
-    def add_request(self, request_id, prompt, params, arrival_time=None) -> None:
+    def add_request(self, request_id, prompt, params, arrival_time=None) -> list[int]:
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise ValueError("prompt must not be empty")
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt is {len(ids)} tokens, max_model_len is {self.max_model_len}")
-        req = _Req(request_id, ids, params, RequestMetrics(arrival_time or time.monotonic()))
-        req.outputs = [CompletionOutput(i, "", [], logprobs=[] if params.logprobs is not None else None)
-                       for i in range(params.n)]
-        self.waiting.append(req)
+        self.waiting.append(RequestState(request_id, ids, params, self.tokenizer,
+                                         arrival_time or time.monotonic(), seqs=[]))
+        return ids
 
     def abort_request(self, request_id):
         self.waiting = [r for r in self.waiting if r.request_id != request_id]
@@ -79,53 +66,42 @@ class FakeEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[RequestDelta]:
         time.sleep(self.step_delay)
         while self.waiting and len(self.running) < self.max_num_seqs:
             req = self.waiting.pop(0)
-            self.prompt_tokens += len(req.prompt)
+            self.prompt_tokens += len(req.prompt_ids)
             self.running.append(req)
-        outputs = []
+        deltas = []
         for req in self.running:
-            for o in req.outputs:
-                if o.finish_reason is None:
-                    self._advance(req, o)
-            if b"CRASH" in bytes(req.prompt) and len(req.outputs[0].token_ids) > 2:
+            for sample in req.samples:
+                if not sample.finished:
+                    self._advance(req, sample)
+            if b"CRASH" in bytes(req.prompt_ids) and len(req.samples[0].token_ids) > 2:
                 raise RuntimeError("simulated engine failure")
-            outputs.append(RequestOutput(req.request_id, None, req.prompt, [_copy(o) for o in req.outputs],
-                                         req.finished, req.metrics))
+            deltas.append(req.take_delta())
         self.running = [r for r in self.running if not r.finished]
-        return outputs
+        return deltas
 
-    def _advance(self, req: _Req, o: CompletionOutput) -> None:
+    def _advance(self, req: RequestState, sample) -> None:
         p = req.params
-        token = req.prompt[(o.index + len(o.token_ids)) % len(req.prompt)]
-        o.token_ids.append(token)
+        token = req.prompt_ids[(sample.index + len(sample.token_ids)) % len(req.prompt_ids)]
         self.generation_tokens += 1
-        if o.logprobs is not None:
-            o.logprobs.append({(token + k) % 256: -0.25 - k for k in range(p.logprobs + 1)})
-        o.text = self.tokenizer.decode(o.token_ids)
-        for s in p.stop:
-            i = o.text.find(s)
-            if i >= 0:
-                o.text, o.finish_reason, o.stop_reason = o.text[:i], "stop", s
-                return
-        if len(o.token_ids) >= p.max_tokens:
-            o.finish_reason = "length"
+        lp = (-0.25, [((token + k) % 256, -0.25 - k) for k in range(1, p.logprobs + 1)]) if p.logprobs else None
+        if p.logprobs == 0:
+            lp = (-0.25, [])
+        final = len(sample.token_ids) + 1 >= p.max_tokens
+        sample.append(token, lp, final=final, check_stops=True)
+        if final:
+            sample.finish("length")
 
     def get_stats(self) -> dict:
-        blocks = sum(-(-(len(r.prompt) + max(len(o.token_ids) for o in r.outputs)) // BLOCK) * len(r.outputs)
+        blocks = sum(-(-(len(r.prompt_ids) + max(len(s.token_ids) for s in r.samples)) // BLOCK) * len(r.samples)
                      for r in self.running)
         return {"num_running": len(self.running), "num_waiting": len(self.waiting),
                 "kv_cache_usage": min(1.0, blocks / NUM_BLOCKS), "prefix_cache_queries": 0,
                 "prefix_cache_hits": 0, "num_prompt_tokens": self.prompt_tokens,
                 "num_generation_tokens": self.generation_tokens}
-
-
-def _copy(o: CompletionOutput) -> CompletionOutput:
-    """A snapshot, as the real engine returns: later steps must not change what was handed out."""
-    return CompletionOutput(o.index, o.text, list(o.token_ids), o.finish_reason, o.stop_reason,
-                            list(o.logprobs) if o.logprobs is not None else None)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,37 +10,56 @@ from server_fake_engine import FakeEngine
 
 from meshserve.api.errors import from_value_error
 from meshserve.engine.messages import AddRequest
-from meshserve.outputs import CompletionOutput, RequestOutput
+from meshserve.engine.output import RequestState
 from meshserve.sampling_params import SamplingParams
-from meshserve.server.engine_core import DeltaTracker, EngineLoop
+from meshserve.server.engine_core import EngineLoop
 from meshserve.server.server_config import ServerConfig
 
 
-def _out(texts: list[str], tokens: list[list[int]], finish=None) -> RequestOutput:
-    outs = [CompletionOutput(i, t, ids, finish) for i, (t, ids) in enumerate(zip(texts, tokens))]
-    return RequestOutput("r", None, [1], outs, finish is not None)
+class _Tok:
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(i) for i in ids)
 
 
-def test_delta_tracker_sends_only_what_is_new_per_sample():
-    tracker = DeltaTracker()
-    tracker.track("r", SamplingParams(n=2))
-    d = tracker.delta(_out(["a", "x"], [[1], [9]]))
-    assert [(s.index, s.text, s.token_ids) for s in d.outputs] == [(0, "a", [1]), (1, "x", [9])]
-    d = tracker.delta(_out(["ab", "x"], [[1, 2], [9]]))  # sample 1 did not move
-    assert [(s.index, s.text, s.token_ids) for s in d.outputs] == [(0, "b", [2])]
-    d = tracker.delta(_out(["abc", "xy"], [[1, 2, 3], [9, 8]], finish="length"))
-    assert [(s.text, s.finish_reason) for s in d.outputs] == [("c", "length"), ("y", "length")] and d.finished
+def _request(**params) -> RequestState:
+    return RequestState("r", [ord("p")], SamplingParams(**params), _Tok(), 0.0, seqs=[])
 
 
-def test_delta_tracker_holds_back_a_possible_stop_string():
-    tracker = DeltaTracker()
-    tracker.track("r", SamplingParams(stop=["END", "x"]))
-    # the last len("END") - 1 characters could start "END"
-    assert tracker.delta(_out(["hello E"], [[1, 2]])).outputs[0].text == "hello"
-    assert tracker.delta(_out(["hello EN"], [[1, 2, 3]])).outputs[0].text == " "
-    # the engine found the stop string and cut it: nothing that was sent needs taking back
-    d = tracker.delta(_out(["hello "], [[1, 2, 3, 4]], finish="stop"))
-    assert d.outputs[0].text == "" and d.outputs[0].finish_reason == "stop" and d.finished
+def test_deltas_carry_only_what_is_new_per_sample_and_each_finish_once():
+    req = _request(n=2)
+    a, b = req.samples
+    a.append(ord("a"), None, final=False, check_stops=True)
+    b.append(ord("x"), None, final=False, check_stops=True)
+    d = req.take_delta()
+    assert [(s.index, s.text, s.token_ids) for s in d.outputs] == [(0, "a", [97]), (1, "x", [120])]
+    a.append(ord("b"), None, final=False, check_stops=True)  # sample 1 did not move
+    assert [(s.index, s.text, s.token_ids) for s in req.take_delta().outputs] == [(0, "b", [98])]
+    b.append(ord("y"), None, final=True, check_stops=True)
+    b.finish("length")
+    d = req.take_delta()
+    assert [(s.index, s.text, s.finish_reason) for s in d.outputs] == [(1, "y", "length")] and not d.finished
+    # A finished choice is not sent again while its sibling goes on.
+    a.append(ord("c"), None, final=False, check_stops=True)
+    assert [s.index for s in req.take_delta().outputs] == [0]
+    a.append(ord("d"), None, final=True, check_stops=True)
+    a.finish("length")
+    d = req.take_delta()
+    assert [(s.index, s.text, s.finish_reason) for s in d.outputs] == [(0, "d", "length")] and d.finished
+    assert req.take_delta() is None
+
+
+def test_deltas_hold_back_a_possible_stop_string():
+    req = _request(stop=["END", "x"])
+    (s,) = req.samples
+    for ch in "hello E":
+        s.append(ord(ch), None, final=False, check_stops=True)
+    assert req.take_delta().outputs[0].text == "hello"  # the last len("END") - 1 could start "END"
+    s.append(ord("N"), None, final=False, check_stops=True)
+    assert req.take_delta().outputs[0].text == " "
+    s.append(ord("D"), None, final=False, check_stops=True)  # the stop string is cut, never sent
+    d = req.take_delta()
+    assert d.outputs[0].text == "" and d.outputs[0].finish_reason == "stop" and d.outputs[0].stop_reason == "END"
+    assert d.finished
 
 
 class _CountingEngine(FakeEngine):

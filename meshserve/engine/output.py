@@ -1,0 +1,114 @@
+"""What a request has produced so far, and the delta of each step.
+
+Each sample (one of n) detokenizes incrementally, checks stop strings on a bounded window and holds
+back the last characters that could still be the start of a stop string. A step hands out only
+what is new (`RequestState.take_delta`): the work per step is proportional to the tokens generated
+in it, never to the length of the answer so far.
+"""
+from __future__ import annotations
+
+from meshserve.engine.detokenizer import IncrementalDetokenizer, find_stop
+from meshserve.engine.messages import RequestDelta, SampleDelta
+from meshserve.engine.sequence import Sequence
+from meshserve.outputs import RequestMetrics
+from meshserve.sampling_params import SamplingParams
+from meshserve.tokenizer import Tokenizer
+
+
+class SampleState:
+    __slots__ = ("index", "detok", "stops", "include_stop", "holdback", "token_ids", "logprobs",
+                 "emitted_chars", "pending", "sent_tokens", "finish_reason", "stop_reason", "reported")
+
+    def __init__(self, index: int, detok: IncrementalDetokenizer, params: SamplingParams) -> None:
+        self.index = index
+        self.detok = detok
+        self.stops = params.stop
+        self.include_stop = params.include_stop_str_in_output
+        # While a stop string may still match, its first len - 1 characters must not go out yet.
+        self.holdback = max((len(s) for s in params.stop), default=1) - 1
+        self.token_ids: list[int] = []
+        self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
+        self.emitted_chars = 0  # characters handed out in deltas
+        self.pending = ""  # text produced but not handed out yet (held back for stop strings)
+        self.sent_tokens = 0
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.reported = False  # the finish has gone out in a delta
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def append(self, token: int, lp: tuple[float, list[tuple[int, float]]] | None, final: bool,
+               check_stops: bool) -> None:
+        """Add one generated token. `final`: the sample ends with it (EOS, a length limit), so its
+        last text is flushed. `check_stops`: stop strings may match now (min_tokens reached)."""
+        self.token_ids.append(token)
+        if lp is not None and self.logprobs is not None:
+            chosen, top = lp
+            entry = dict(top)
+            entry[token] = chosen
+            self.logprobs.append(entry)
+        delta = self.detok.add(token)
+        if final:
+            delta += self.detok.flush()
+        if not delta:
+            return
+        window = self.pending + delta
+        if self.stops and check_stops:
+            hit = find_stop(window, len(delta), self.stops)
+            if hit is not None:
+                i, s = hit
+                self.pending = window[:i + len(s)] if self.include_stop else window[:i]
+                self.finish("stop", s)
+                return
+        self.pending = window
+
+    def finish(self, reason: str, stop_reason: int | str | None = None) -> None:
+        if self.finish_reason is None:
+            self.finish_reason, self.stop_reason = reason, stop_reason
+
+    def take_delta(self) -> SampleDelta | None:
+        """What is new since the last delta, or None when nothing moved."""
+        new_tokens = len(self.token_ids) - self.sent_tokens
+        if new_tokens == 0 and (self.reported or not self.finished):
+            return None
+        if self.finished:
+            text, self.pending = self.pending, ""
+            self.reported = True
+        else:
+            cut = max(0, len(self.pending) - self.holdback)
+            text, self.pending = self.pending[:cut], self.pending[cut:]
+        self.emitted_chars += len(text)
+        start, self.sent_tokens = self.sent_tokens, len(self.token_ids)
+        return SampleDelta(self.index, text, self.token_ids[start:],
+                           self.logprobs[start:] if self.logprobs is not None else None,
+                           self.finish_reason, self.stop_reason)
+
+
+class RequestState:
+    """One request in the engine: its sequences' outputs, timestamps, and what was handed out."""
+
+    def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams, tokenizer: Tokenizer,
+                 arrival: float, seqs: list[Sequence]) -> None:
+        self.request_id, self.prompt_ids, self.params, self.seqs = request_id, prompt_ids, params, seqs
+        self.samples = [SampleState(i, IncrementalDetokenizer(tokenizer, params.skip_special_tokens, prompt_ids),
+                                    params) for i in range(params.n)]
+        self.metrics = RequestMetrics(arrival_time=arrival)
+        self.error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finished for s in self.samples)
+
+    def finish_all(self, reason: str) -> None:
+        for s in self.samples:
+            s.finish(reason)
+
+    def take_delta(self) -> RequestDelta | None:
+        outputs = [d for d in (s.take_delta() for s in self.samples) if d is not None]
+        if not outputs:
+            return None
+        finished = self.finished
+        return RequestDelta(self.request_id, outputs, finished, error=self.error if finished else None,
+                            metrics=self.metrics if finished else None)
