@@ -1,0 +1,60 @@
+"""The engine's own work per step (scheduling, packing, output processing, deltas) must not grow with
+the length of the answers: a step at 4,000 generated tokens costs what a step at 40 costs.
+
+The model is replaced by a stub that samples a fixed cycle of tokens, so only the engine's host work
+is timed; the request uses penalties, logprobs and stop strings so every per-token path runs."""
+import json
+import statistics
+import time
+
+from meshserve.engine.llm_engine import LLMEngine
+from meshserve.config import EngineConfig
+from meshserve.engine.step import StepResult
+from meshserve.layers.sampler import SamplerOutput
+from meshserve.sampling_params import SamplingParams
+
+LONG = 4000
+
+
+def _engine(tmp_path) -> LLMEngine:
+    cfg = {"architectures": ["LlamaForCausalLM"], "hidden_size": 32, "intermediate_size": 64,
+           "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": 49152,
+           "max_position_embeddings": 8192}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    engine = LLMEngine(EngineConfig(model=str(tmp_path / "config.json"), load_format="dummy",
+                                    max_model_len=LONG + 512, kv_cache_memory_bytes=8 << 20))
+    counter = iter(range(10**9))
+
+    def stub_execute(step):  # one sampled token per sampling sequence, ordinary words
+        rows = [s for s in step.seqs if s.sample]
+        tokens = [1000 + next(counter) % 97 for _ in rows]
+        return StepResult(SamplerOutput(tokens, [(-0.5, [(t, -0.5), (t + 1, -1.5)]) for t in tokens]))
+
+    engine.executor.execute = stub_execute
+    return engine
+
+
+def _step_times(engine, n: int) -> list[float]:
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def test_host_work_per_step_does_not_grow_with_output_length(tmp_path):
+    engine = _engine(tmp_path)
+    params = SamplingParams(temperature=0, max_tokens=LONG + 400, ignore_eos=True, logprobs=2,
+                            presence_penalty=0.5, repetition_penalty=1.1, stop=["never appears here"])
+    engine.add_request("long", list(range(2000, 2032)), params)
+    engine.step()  # prefill
+    _step_times(engine, 40)
+    short = _step_times(engine, 200)  # at 40-240 tokens
+    while len(engine.requests["long"].samples[0].token_ids) < LONG:
+        engine.step()
+    long = _step_times(engine, 200)  # at ~4,000 tokens
+    ratio = statistics.median(long) / statistics.median(short)
+    assert ratio < 1.5, f"a step at {LONG} tokens costs {ratio:.2f}x a step at 40-240"
+    out = engine.requests["long"]
+    assert len(out.samples[0].token_ids) >= LONG and engine.has_unfinished_requests()
