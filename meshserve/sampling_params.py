@@ -4,6 +4,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20
+# Bounds on per-request work: every stop string is searched after every token, and the longest
+# one sets how much text is held back from a stream.
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 64
 
 
 def _check_range(name: str, value, lo=None, hi=None, lo_open=False, hint: str = "") -> None:
@@ -55,7 +60,8 @@ class SamplingParams:
             if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
                 raise ValueError(f"max_tokens must be an integer, got {self.max_tokens!r}")
             _check_range("max_tokens", self.max_tokens, 1, None)
-        _check_range("min_tokens", self.min_tokens, 0, None)
+        _check_range("min_tokens", self.min_tokens, 0, self.max_tokens,
+                     hint=" (at most max_tokens)" if self.max_tokens is not None else "")
         if self.logprobs is not None:
             if isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int):
                 raise ValueError(f"logprobs must be an integer, got {self.logprobs!r}")
@@ -67,9 +73,16 @@ class SamplingParams:
         self.stop = list(self.stop or [])
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError("stop must be a non-empty string or a list of non-empty strings")
+        if len(self.stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_STRING_CHARS for s in self.stop):
+            raise ValueError(f"stop may hold at most {MAX_STOP_STRINGS} strings of at most "
+                             f"{MAX_STOP_STRING_CHARS} characters each, got {len(self.stop)} strings "
+                             f"of up to {max(len(s) for s in self.stop)} characters")
         self.stop_token_ids = list(self.stop_token_ids or [])
         if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be a list of non-negative integers")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"stop_token_ids may hold at most {MAX_STOP_TOKEN_IDS} ids, "
+                             f"got {len(self.stop_token_ids)}")
 
     @property
     def greedy(self) -> bool:

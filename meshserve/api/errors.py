@@ -27,22 +27,31 @@ class APIError(Exception):
     """A request the server refuses or cannot serve; becomes `{"error": {...}}` with `status`."""
 
     def __init__(self, status: int, message: str, *, param: str | None = None,
-                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
+                 code: str | None = None, headers: dict[str, str] | None = None,
+                 type: str | None = None, request_id: str | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
         self.headers = headers or {}
+        self.type = type
+        self.request_id = request_id
 
     def body(self) -> dict:
-        return error_body(self.status, self.message, param=self.param, code=self.code)
+        return error_body(self.status, self.message, param=self.param, code=self.code, type=self.type,
+                          request_id=self.request_id)
 
 
-def error_body(status: int, message: str, *, param: str | None = None, code: str | None = None) -> dict:
-    kind = _TYPES.get(status) or ("server_error" if status >= 500 else "invalid_request_error")
-    return {"error": {"message": message, "type": kind, "param": param,
-                      "code": code if code is not None else HTTPStatus(status).phrase.lower().replace(" ", "_")}}
+def error_body(status: int, message: str, *, param: str | None = None, code: str | None = None,
+               type: str | None = None, request_id: str | None = None) -> dict:
+    """`request_id` is added for failures a client may want to report (the server's, not theirs)."""
+    kind = type or _TYPES.get(status) or ("server_error" if status >= 500 else "invalid_request_error")
+    err = {"message": message, "type": kind, "param": param,
+           "code": code if code is not None else HTTPStatus(status).phrase.lower().replace(" ", "_")}
+    if request_id is not None:
+        err["request_id"] = request_id
+    return {"error": err}
 
 
 def bad_request(message: str, param: str | None = None, code: str = "invalid_parameter") -> APIError:

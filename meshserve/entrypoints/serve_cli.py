@@ -38,8 +38,15 @@ def register(subparsers) -> None:
     g.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS",
                    help="on SIGTERM, how long running requests may take to finish (default: %(default)s)")
     g.add_argument("--max-queued-requests", type=int, default=None, metavar="N",
-                   help="at most N requests may wait for their first token; more get 429 with "
-                        "Retry-After (default: unbounded)")
+                   help="at most N sequences (prompts x n) may wait for their first token; more get 429 "
+                        "with Retry-After, and a request larger than N alone gets 400 (default: unbounded)")
+    g.add_argument("--max-prompts-per-request", type=int, default=64, metavar="N",
+                   help="prompts one /v1/completions request may batch; more get 400 (default: %(default)s)")
+    g.add_argument("--max-engine-restarts", type=int, default=5, metavar="N",
+                   help="a crashed engine is restarted with backoff; after more than N crashes of one "
+                        "engine within --engine-restart-window the server exits 1 (default: %(default)s)")
+    g.add_argument("--engine-restart-window", type=float, default=300.0, metavar="SECONDS",
+                   help="the window --max-engine-restarts counts crashes in (default: %(default)s)")
     g.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, metavar="BYTES",
                    help="larger request bodies get 413 (default: %(default)s)")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -54,6 +61,8 @@ def run(args: argparse.Namespace) -> int:
     server_config = ServerConfig(
         host=args.host, port=args.port, api_key=args.api_key, drain_timeout=args.drain_timeout,
         max_queued_requests=args.max_queued_requests, max_body_bytes=args.max_body_bytes,
+        max_prompts_per_request=args.max_prompts_per_request, max_engine_restarts=args.max_engine_restarts,
+        engine_restart_window=args.engine_restart_window,
         data_parallel_size=args.data_parallel_size, log_level=args.log_level)
     engine_config = EngineConfig.from_cli_args(args)  # takes served_model_name too
     return run_server(engine_config, server_config)

@@ -8,8 +8,10 @@
   activations each, where the PyTorch formulas make several.
 
 The extension is built with torch's cpp_extension into the meshserve cache directory and reused
-across runs; the build name carries a hash of the source, the compiler flags and the torch and
-Python versions, so machines with different CPUs can share a cache directory. When the build
+across runs; the build name carries a hash of the source, the compiler flags, the torch and Python
+versions and their include paths, so machines with different CPUs, and several Python environments,
+can share a cache directory. The engine builds them while it loads the model (before the server
+reports ready), never in the middle of a request. When the build
 fails (no compiler) or MESHSERVE_DISABLE_CPU_KERNELS=1, `available()` is False and callers keep
 the PyTorch path.
 """
@@ -46,7 +48,9 @@ def _cpu_flags() -> list[str]:
 
 
 def _build():
-    from torch.utils.cpp_extension import load_inline
+    import sysconfig
+
+    from torch.utils.cpp_extension import include_paths, load_inline
 
     from meshserve.utils.paths import cache_dir
 
@@ -54,15 +58,20 @@ def _build():
     # Without trapping math (as torch itself is built) GCC vectorises loops with clamps in them.
     cflags = ["-O3", "-fopenmp", "-fno-trapping-math", "-fno-math-errno", *_cpu_flags()]
     source = _SOURCE_PATH.read_text()
-    parts = [source, *cflags, torch.__version__, sys.version.split()[0]]  # the module links this Python
+    # Everything that makes two builds differ names the build: two environments sharing one cache
+    # directory (a venv and the system Python) must not take turns rebuilding the same module.
+    parts = [source, *cflags, torch.__version__, sys.version.split()[0], *include_paths(),
+             sysconfig.get_paths()["include"]]
     key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
     name = f"meshserve_cpu_kernels_{key}"
     build_dir = cache_dir() / "torch_extensions" / name
     build_dir.mkdir(parents=True, exist_ok=True)
     if not any(build_dir.glob("*.so")):
         logger.info("building the CPU kernels in %s (once; about a minute)", build_dir)
-    return load_inline(name=name, cpp_sources=[source], functions=_FUNCTIONS,
-                       extra_cflags=cflags, extra_ldflags=["-fopenmp"], build_directory=str(build_dir))
+    module = load_inline(name=name, cpp_sources=[source], functions=_FUNCTIONS,
+                         extra_cflags=cflags, extra_ldflags=["-fopenmp"], build_directory=str(build_dir))
+    logger.info("CPU kernels ready (%s)", name)
+    return module
 
 
 def _reason(e: Exception) -> str:

@@ -12,7 +12,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 import meshserve
-from meshserve.api.errors import APIError, bad_request
+from meshserve.api.errors import APIError, bad_request, error_body
 from meshserve.api.protocol import DetokenizeRequest, TokenizeRequest
 from meshserve.api.sse import ClientDisconnected, JSONBytesResponse
 from meshserve.server.metrics import CONTENT_TYPE, ServerMetrics
@@ -125,9 +125,12 @@ def build_app(ctx: ServingContext, metrics: ServerMetrics, engine_config: dict) 
 
     @app.get("/health")
     async def health() -> Response:
+        """200 while some engine takes work ("ok", or "degraded" while one restarts); 503 when none."""
+        state = ctx.client.health()
         if not ctx.client.healthy:
-            return error_response(APIError(503, "the engine is not running", code="engine_unavailable"))
-        return JSONBytesResponse({"status": "ok"})
+            body = error_body(503, "no engine is running", code="engine_unavailable")
+            return JSONBytesResponse({**body, **state}, status_code=503, headers={"Retry-After": "5"})
+        return JSONBytesResponse(state)
 
     @app.get("/metrics")
     async def prometheus() -> Response:

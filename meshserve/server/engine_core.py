@@ -8,12 +8,16 @@ time.monotonic(), the clock the front end computes latency metrics from.
 Front end -> engine: a list of ops per message: ("add", AddRequest), ("abort", [ids]), ("shutdown",).
 Engine -> front end: ("ready", info), ("step", timestamp, [RequestDelta], stats),
 ("stats", stats), ("reject", request_id, message), ("fatal", message[, "invalid"]).
+A step that fails is contained by the engine (its requests finish with "error"); anything else that
+escapes the loop ends the process with "fatal", and the front end's supervisor restarts it.
 """
 from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import signal
+import threading
 import time
 import traceback
 from multiprocessing.connection import Connection
@@ -85,10 +89,23 @@ class EngineLoop:
             self.outbox.send(("stats", stats))
 
 
+def _exit_when_front_end_goes(parent_alive: Connection) -> None:
+    """Watchdog thread: the front end never writes to this pipe, so recv() returns (EOF) only when
+    it is gone, even if killed; then this process ends too, whatever it was doing (a wedged step)."""
+    try:
+        parent_alive.recv()
+    except (EOFError, OSError):
+        pass
+    os._exit(0)
+
+
 def run_engine_core(factory: Callable[[], Any], inbox: Connection, outbox: Connection,
                     dp_rank: int = 0, placement: ReplicaPlacement | None = None,
-                    log_level: str = "info") -> None:
+                    log_level: str = "info", parent_alive: Connection | None = None) -> None:
     """Entry point of the engine process (multiprocessing target)."""
+    if parent_alive is not None:
+        threading.Thread(target=_exit_when_front_end_goes, args=(parent_alive,), daemon=True,
+                         name="meshserve-engine-watchdog").start()
     # The front end owns the lifecycle: on SIGTERM it drains first, then tells us to stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)

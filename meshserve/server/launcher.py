@@ -5,11 +5,12 @@ import asyncio
 import functools
 import json
 import logging
+import os
 import signal
 from typing import Any, Callable, Sequence
 
 from meshserve.distributed.placement import place_for_device
-from meshserve.server.engine_client import EngineClient
+from meshserve.server.engine_client import EngineClient, SupervisorPolicy
 from meshserve.server.engine_core import build_llm_engine, config_dict
 from meshserve.server.metrics import ServerMetrics, register_parallel_metrics
 from meshserve.server.server_config import ServerConfig
@@ -27,7 +28,9 @@ def run_server(engine_config: Any, config: ServerConfig,
         factories = [functools.partial(build_llm_engine, engine_config)] * config.data_parallel_size
         placements = place_for_device(config.data_parallel_size, engine_config.world_size,
                                       engine_config.resolved_device().type)
-    client = EngineClient(factories, log_level=config.log_level, placements=placements)
+    client = EngineClient(factories, log_level=config.log_level, placements=placements,
+                          policy=SupervisorPolicy(max_restarts=config.max_engine_restarts,
+                                                  window_s=config.engine_restart_window))
     metrics = ServerMetrics(client.stats)
     register_parallel_metrics(metrics.registry, client.parallel_timing)
     client.listener = metrics
@@ -35,8 +38,7 @@ def run_server(engine_config: Any, config: ServerConfig,
     # For /server_info: the configuration as the engine process holds it (the resolved context
     # length is in model_info).
     reported = info.config or config_dict(engine_config)
-    reported = json.loads(json.dumps({**reported, "data_parallel_size": config.data_parallel_size},
-                                     default=str))
+    reported = public_config({**reported, "data_parallel_size": config.data_parallel_size})
     try:
         return asyncio.run(_serve(client, metrics, config, reported))
     finally:
@@ -59,7 +61,25 @@ async def _serve(client: EngineClient, metrics: ServerMetrics, config: ServerCon
     # uvicorn handles SIGTERM (stop accepting, let running requests finish within the drain timeout)
     # and re-raises it when done; by then the shutdown was orderly, so it must not kill us.
     signal.signal(signal.SIGTERM, lambda *_: None)
+
+    def give_up(reason: str) -> None:  # the supervisor gave up: stop, and say so in the exit code
+        server.should_exit = True
+
+    client.on_give_up = give_up
     logger.info("serving %s on http://%s:%d", ctx.model_name, config.host, config.port)
     await server.serve()
+    if client.gave_up:
+        logger.critical("exiting: the engine keeps crashing")
+        return 1
     return 0
+
+
+def public_config(config: dict) -> dict:
+    """The engine configuration as /server_info shows it: JSON values, and local paths by their
+    last component only (a server should not publish its file system layout)."""
+    def clean(value):
+        if isinstance(value, str) and os.path.isabs(value):
+            return os.path.basename(value.rstrip(os.sep)) or value
+        return value
+    return json.loads(json.dumps({k: clean(v) for k, v in config.items()}, default=str))
 

@@ -33,6 +33,8 @@ _ENGINE_SERIES = (
     ("num_generation_tokens", "generation_tokens", "Tokens generated.", True),
     ("prefix_cache_queries", "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", True),
     ("prefix_cache_hits", "prefix_cache_hits", "Prompt tokens found in the prefix cache.", True),
+    ("replicas_alive", "engine_replicas_alive", "Engine replicas taking work.", False),
+    ("engine_restarts", "engine_restarts", "Engine processes restarted after a crash.", True),
 )
 
 
@@ -78,6 +80,10 @@ class ServerMetrics:
 
     def on_aborted(self, count: int) -> None:
         self.success.labels(finished_reason="abort").inc(count)
+
+    def on_failed(self, count: int) -> None:
+        """Requests lost with an engine that died."""
+        self.success.labels(finished_reason="error").inc(count)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -12,7 +12,10 @@ class ServerConfig:
     port: int = 8000
     api_key: str | None = None
     drain_timeout: float = 30.0           # seconds SIGTERM waits for running requests
-    max_queued_requests: int | None = None  # requests waiting for their first token; beyond: 429
+    max_queued_requests: int | None = None  # sequences waiting for their first token; beyond: 429
+    max_prompts_per_request: int = 64  # prompts in one /v1/completions batch
+    max_engine_restarts: int = 5  # crashes of one engine within the window before the server exits
+    engine_restart_window: float = 300.0
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     data_parallel_size: int = 1
     log_level: str = "info"
@@ -24,6 +27,12 @@ class ServerConfig:
             raise ValueError(f"--drain-timeout must be >= 0 seconds, got {self.drain_timeout}")
         if self.max_queued_requests is not None and self.max_queued_requests < 1:
             raise ValueError(f"--max-queued-requests must be >= 1, got {self.max_queued_requests}")
+        if not 1 <= self.max_prompts_per_request <= 4096:
+            raise ValueError(f"--max-prompts-per-request must be in [1, 4096], got {self.max_prompts_per_request}")
+        if self.max_engine_restarts < 0:
+            raise ValueError(f"--max-engine-restarts must be >= 0, got {self.max_engine_restarts}")
+        if self.engine_restart_window <= 0:
+            raise ValueError(f"--engine-restart-window must be > 0 seconds, got {self.engine_restart_window}")
         if self.max_body_bytes < 1024:
             raise ValueError(f"--max-body-bytes must be >= 1024, got {self.max_body_bytes}")
         if not 1 <= self.data_parallel_size <= 64:

@@ -17,6 +17,7 @@ from starlette.responses import Response
 from meshserve.api.errors import (
     APIError,
     bad_request,
+    error_body,
     from_validation_error,
     from_value_error,
 )
@@ -34,6 +35,7 @@ from meshserve.server.engine_client import (
     EngineClient,
     EngineDeadError,
     EngineRejectedError,
+    EngineRequestFailed,
 )
 from meshserve.server.server_config import ServerConfig
 
@@ -101,7 +103,10 @@ class ServingContext:
         self.tokenizer = info.tokenizer
         self.model_info = info.model_info
         self.max_model_len: int = int(info.model_info["max_model_len"])
-        self.vocab_size: int | None = getattr(self.tokenizer, "vocab_size", None)
+        # Token ids must exist for the tokenizer (to print them) and the model (to embed them).
+        sizes = [v for v in (getattr(self.tokenizer, "vocab_size", None), info.model_info.get("vocab_size"))
+                 if v is not None]
+        self.vocab_size: int | None = min(sizes) if sizes else None
         self.model_name: str = str(info.model_info["id"])  # the served name when one was given
         self.created = int(time.time())
         self._token_strs: dict[int, str] = {}
@@ -112,13 +117,22 @@ class ServingContext:
             raise APIError(404, f"the model {name!r} does not exist; this server serves "
                                 f"{self.model_name!r}", param="model", code="model_not_found")
 
-    def admit(self, count: int) -> None:
-        """Refuse work the server cannot take now: engine down (503) or waiting queue full (429)."""
+    def admit(self, num_seqs: int) -> None:
+        """Refuse work the server cannot take now: no engine running (503), or a waiting queue that
+        cannot hold the request's sequences (prompts x n): 429 while it is full, 400 if the request
+        alone is larger than the queue may ever be."""
         if not self.client.healthy:
-            raise APIError(503, "the engine is not running", code="engine_unavailable")
+            raise APIError(503, "no engine is running (it is being restarted)", code="engine_unavailable",
+                           headers={"Retry-After": "5"})
         limit = self.config.max_queued_requests
-        if limit is not None and self.client.num_unstarted + count > max(limit, count):
-            raise APIError(429, f"the waiting queue is full ({limit} requests)", code="queue_full",
+        if limit is None:
+            return
+        if num_seqs > limit:
+            raise bad_request(f"the request has {num_seqs} sequences (prompts x n), more than "
+                              f"--max-queued-requests ({limit}) allows at once", param="n",
+                              code="request_too_large")
+        if self.client.num_queued_seqs + num_seqs > limit:
+            raise APIError(429, f"the waiting queue is full ({limit} sequences)", code="queue_full",
                            headers={"Retry-After": "1"})
 
     def check_prompt_ids(self, ids: list[int], param: str = "prompt") -> list[int]:
@@ -191,7 +205,7 @@ class ServingContext:
 
         A stream's headers go out only once the first output is there, so a request the engine
         rejects still gets a proper error status; after that, failures end the stream in-band."""
-        self.admit(len(engine_requests))
+        self.admit(sum(params.n for _, _, params in engine_requests))
         outputs = self.client.generate(engine_requests, arrival)
 
         async def run() -> Response:
@@ -202,7 +216,11 @@ class ServingContext:
             except EngineRejectedError as exc:
                 raise from_value_error(exc) from None
             except EngineDeadError as exc:
-                raise APIError(503, str(exc), code="engine_unavailable") from None
+                raise APIError(503, str(exc), code="engine_unavailable", headers={"Retry-After": "5"},
+                               request_id=view.request_id) from None
+            except EngineRequestFailed as exc:
+                raise APIError(500, str(exc), type="server_error", code="engine_step_failed",
+                               request_id=view.request_id) from None
             return EventStreamResponse(view.events(first, outputs))
 
         try:
@@ -284,10 +302,9 @@ async def sse_stream(chunks: AsyncIterator[dict], outputs: AsyncIterator[Request
     try:
         async for obj in chunks:
             yield sse_event(obj)
-    except (EngineDeadError, EngineRejectedError) as exc:
-        yield sse_event({"error": {"message": f"generation failed after the stream started: {exc}",
-                                   "type": "server_error", "param": None,
-                                   "code": "partial_stream_failure", "request_id": request_id}})
+    except (EngineDeadError, EngineRejectedError, EngineRequestFailed) as exc:
+        yield sse_event(error_body(500, f"generation failed after the stream started: {exc}",
+                                   code="partial_stream_failure", request_id=request_id))
     finally:
         await chunks.aclose()
         await outputs.aclose()

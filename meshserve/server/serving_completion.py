@@ -36,6 +36,11 @@ async def create_completion(ctx: ServingContext, request: Request) -> Response:
         raise bad_request("echo together with logprobs is not supported", param="echo")
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options is only allowed with stream: true", param="stream_options")
+    if isinstance(req.prompt, list) and req.prompt and not isinstance(req.prompt[0], int) \
+            and len(req.prompt) > ctx.config.max_prompts_per_request:
+        raise bad_request(f"the request batches {len(req.prompt)} prompts; at most "
+                          f"{ctx.config.max_prompts_per_request} are allowed (--max-prompts-per-request)",
+                          param="prompt", code="too_many_prompts")
     prompts = await _prompts(ctx, req.prompt)
     completion_id = f"cmpl-{uuid.uuid4().hex}"
     engine_requests = []

@@ -9,6 +9,7 @@ import torch
 from meshserve.config import CPU_DEFAULT_KV_BYTES, EngineConfig
 from meshserve.distributed.parallel_state import get_parallel_state
 from meshserve.engine.step import StepInput
+from meshserve.layers import cpu_kernels
 from meshserve.layers.attention import AttentionMetadata, PrefillSeq
 from meshserve.layers.cpu_gemm import prepack_model
 from meshserve.layers.rotary import RotaryEmbedding
@@ -47,6 +48,8 @@ class ModelRunner:
         for m in self.model.modules():
             if isinstance(m, RotaryEmbedding):
                 m.float()  # rotary tables stay float32: large positions lose precision in bf16
+        if self.device.type == "cpu" and self.dtype == torch.float32:
+            cpu_kernels.available()  # compile (or load) them now, not during the first request
         prepack_model(self.model)
         self.sampler = Sampler(config.seed, self.device) if self.ps.is_last_stage and self.ps.tp_rank == 0 else None
         attn = next(iter(self.model.layers.values())).self_attn

@@ -7,8 +7,8 @@ import json
 import statistics
 import time
 
-from meshserve.engine.llm_engine import LLMEngine
 from meshserve.config import EngineConfig
+from meshserve.engine.llm_engine import LLMEngine
 from meshserve.engine.step import StepResult
 from meshserve.layers.sampler import SamplerOutput
 from meshserve.sampling_params import SamplingParams

@@ -1,4 +1,5 @@
 """`meshserve serve --tensor-parallel-size 2` answers a greedy completion with the offline TP=1 text."""
+import os
 import sys
 import tempfile
 
@@ -25,7 +26,12 @@ def test_server_with_tensor_parallel_matches_offline_tp1(tiny_kv2):
                          "--port", str(port)], log.name, port=port, grace_s=30) as server:
         server.wait_healthy_sync(120)
         url = server.url
-        model = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
+        models = httpx.get(url + "/v1/models", timeout=10)
+        model = models.json()["data"][0]["id"]
+        # Neither endpoint publishes where the model lives on this machine.
+        info = httpx.get(url + "/server_info", timeout=10).text
+        assert tiny_kv2 not in models.text and tiny_kv2 not in info
+        assert models.json()["data"][0]["root"] == os.path.basename(tiny_kv2)
         body = {"model": model, "prompt": PROMPT, "max_tokens": GREEDY.max_tokens, "temperature": 0,
                 "ignore_eos": True}
         r = httpx.post(url + "/v1/completions", json=body, timeout=60)

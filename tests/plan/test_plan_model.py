@@ -231,12 +231,12 @@ def test_every_layout_the_planner_ranks_is_one_the_engine_accepts():
     from meshserve.plan.catalog import MODELS
     for name, spec in MODELS.items():
         for n in (1, 2, 3, 4, 6, 8, 9, 12, 16):
-            for plan in layouts(name, "H200", n, weight_dtype="fp8").values():
-                accepted = tp_size_problem(spec.sharded_dims, plan.layout.tp) is None
-                if plan.valid:
-                    assert accepted, (name, n, plan.layout)
+            for ranked in layouts(name, "H200", n, weight_dtype="fp8").values():
+                accepted = tp_size_problem(spec.sharded_dims, ranked.layout.tp) is None
+                if ranked.valid:
+                    assert accepted, (name, n, ranked.layout)
                 elif not accepted:
-                    assert "fractional sharding" in " ".join(plan.reasons)
+                    assert "fractional sharding" in " ".join(ranked.reasons)
     smol = MODELS["SmolLM2-135M"]
     assert ShardedDims.of(ModelConfig.from_hf_config({
         "hidden_size": 576, "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,

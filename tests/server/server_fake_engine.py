@@ -2,7 +2,8 @@
 
 It is an "echo model": sample i's j-th token is prompt[(i + j) % len(prompt)], one token per step
 per sequence. Tokens are UTF-8 bytes (vocabulary 256). A prompt containing CRASH makes the engine
-fail after its second token, which kills the engine process like a real fault would.
+fail after its second token, which kills the engine process like a real fault would; one containing
+WEDGE makes its step hang forever (an engine that never reads its pipe again).
 
 Run a server over it:  PYTHONPATH=tests/server python -c "import server_fake_engine as f; f.main()" --port P
 """
@@ -10,7 +11,9 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 import sys
+import tempfile
 import time
 
 from meshserve.engine.messages import RequestDelta
@@ -37,7 +40,12 @@ class FakeTokenizer:
 
 
 class FakeEngine:
-    def __init__(self, step_delay: float = 0.002, max_num_seqs: int = 8, max_model_len: int = 128):
+    def __init__(self, step_delay: float = 0.002, max_num_seqs: int = 8, max_model_len: int = 128,
+                 restart_delay: float = 0.0, started_marker: str | None = None):
+        if started_marker is not None:  # a restart (the marker exists) takes restart_delay to load
+            if os.path.exists(started_marker):
+                time.sleep(restart_delay)
+            open(started_marker, "a").close()
         self.tokenizer = FakeTokenizer()
         self.model_info = {"id": "fake-echo", "max_model_len": max_model_len, "revision": "0123456789abcdef",
                            "vocab_size": 256}
@@ -79,6 +87,8 @@ class FakeEngine:
                     self._advance(req, sample)
             if b"CRASH" in bytes(req.prompt_ids) and len(req.samples[0].token_ids) > 2:
                 raise RuntimeError("simulated engine failure")
+            if b"WEDGE" in bytes(req.prompt_ids):
+                time.sleep(3600)
             deltas.append(req.take_delta())
         self.running = [r for r in self.running if not r.finished]
         return deltas
@@ -118,10 +128,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-num-seqs", type=int, default=8)
     p.add_argument("--max-model-len", type=int, default=128)
     p.add_argument("--data-parallel-size", type=int, default=1)
+    p.add_argument("--max-prompts-per-request", type=int, default=64)
+    p.add_argument("--max-engine-restarts", type=int, default=5)
+    p.add_argument("--restart-delay", type=float, default=0.0, help="seconds a restarted engine takes to load")
     a = p.parse_args(sys.argv[1:] if argv is None else argv)
     config = ServerConfig(port=a.port, api_key=a.api_key, drain_timeout=a.drain_timeout,
                           max_queued_requests=a.max_queued_requests, max_body_bytes=a.max_body_bytes,
-                          data_parallel_size=a.data_parallel_size, log_level="warning")
-    factory = functools.partial(FakeEngine, step_delay=a.step_delay, max_num_seqs=a.max_num_seqs,
-                                max_model_len=a.max_model_len)
-    return run_server({"model": "fake-echo"}, config, factories=[factory] * a.data_parallel_size)
+                          data_parallel_size=a.data_parallel_size, log_level="warning",
+                          max_prompts_per_request=a.max_prompts_per_request,
+                          max_engine_restarts=a.max_engine_restarts)
+    markers = tempfile.mkdtemp(prefix="meshserve-fake-")
+    factories = [functools.partial(FakeEngine, step_delay=a.step_delay, max_num_seqs=a.max_num_seqs,
+                                   max_model_len=a.max_model_len, restart_delay=a.restart_delay,
+                                   started_marker=os.path.join(markers, str(rank)))
+                 for rank in range(a.data_parallel_size)]
+    return run_server({"model": "fake-echo"}, config, factories=factories)

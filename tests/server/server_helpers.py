@@ -50,4 +50,4 @@ class ServerProcess(LaunchedServer):
 
 def fake_server(*args: str) -> ServerProcess:
     """A server whose engine process runs server_fake_engine.FakeEngine (starts in about a second)."""
-    return ServerProcess(["-c", "import server_fake_engine as f; f.main()", *args], startup_timeout=60)
+    return ServerProcess(["-c", "import sys, server_fake_engine as f; sys.exit(f.main())", *args], startup_timeout=60)

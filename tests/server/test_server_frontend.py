@@ -188,6 +188,10 @@ BAD_REQUESTS = [
     ("/tokenize", {"prompt": 1}, 400, "prompt"),
     ("/detokenize", {"tokens": [999]}, 400, "tokens"),
     ("/v1/completions", {"prompt": "y" * 70_000}, 413, None),
+    ("/v1/completions", {"prompt": "a", "stop": [f"s{i}" for i in range(17)]}, 400, "stop"),
+    ("/v1/completions", {"prompt": "a", "stop": "z" * 257}, 400, "stop"),
+    ("/v1/completions", {"prompt": "a", "stop_token_ids": list(range(65))}, 400, "stop_token_ids"),
+    ("/v1/completions", {"prompt": ["a"] * 65}, 400, "prompt"),  # --max-prompts-per-request 64
 ]
 
 

@@ -5,6 +5,7 @@ import threading
 import time
 
 import httpx
+import psutil
 import pytest
 from server_helpers import fake_server
 from server_sse import completion_text, metric, next_event, read_events
@@ -41,6 +42,15 @@ def test_full_waiting_queue_gets_429_with_retry_after(one_seat_server):
     assert waiting["r"].status_code == 200 and waiting["r"].json()["choices"][0]["text"] == "wai"
 
 
+def test_the_queue_counts_sequences_and_no_request_passes_it_alone(one_seat_server):
+    url = one_seat_server.url + "/v1/completions"
+    # The queue is empty, but two samples (n) or two prompts are two sequences: more than it holds.
+    for body in ({"prompt": "a", "n": 2, "max_tokens": 2}, {"prompt": ["a", "b"], "max_tokens": 2}):
+        r = httpx.post(url, json=body)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "request_too_large", r.text
+    assert httpx.post(url, json={"prompt": "a", "max_tokens": 2}).status_code == 200
+
+
 def test_sigterm_drains_running_requests_then_exits_0(one_seat_server):
     s = one_seat_server
     with httpx.Client(timeout=30) as client, \
@@ -63,9 +73,17 @@ def test_sigterm_drains_running_requests_then_exits_0(one_seat_server):
     assert s.proc.wait(30) == 0
 
 
-def test_engine_failure_mid_stream_ends_in_band_and_health_turns_503():
-    s = fake_server("--step-delay", "0.01")
+def _wait_for(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"{what} within {timeout} s"
+        time.sleep(0.05)
+
+
+def test_engine_crash_mid_stream_ends_in_band_then_the_engine_is_restarted():
+    s = fake_server("--step-delay", "0.01", "--restart-delay", "2")
     try:
+        started = time.monotonic()
         with httpx.stream("POST", s.url + "/v1/completions",
                           json={"prompt": "CRASH now", "max_tokens": 20, "stream": True},
                           headers={"X-Request-Id": "doomed-1"}, timeout=30) as r:
@@ -74,10 +92,86 @@ def test_engine_failure_mid_stream_ends_in_band_and_health_turns_503():
         assert completion_text(events[:-1]) == "CR"
         assert events[-1]["error"]["code"] == "partial_stream_failure"
         assert events[-1]["error"]["request_id"] == "doomed-1"
+        # While the engine restarts (it takes 2 s to load): 503 with a body that says so, at once.
         health = httpx.get(s.url + "/health")
-        assert health.status_code == 503
-        r = httpx.post(s.url + "/v1/completions", json={"prompt": "after", "max_tokens": 2})
+        assert health.status_code == 503 and health.json()["status"] == "degraded"
+        r = httpx.post(s.url + "/v1/completions", json={"prompt": "meanwhile", "max_tokens": 2})
         assert r.status_code == 503 and r.json()["error"]["code"] == "engine_unavailable"
+        assert "retry-after" in r.headers
+        _wait_for(lambda: httpx.get(s.url + "/health").status_code == 200, 30, "the engine came back")
+        recovery = time.monotonic() - started
+        assert httpx.get(s.url + "/health").json() == {"status": "ok", "replicas": 1, "replicas_alive": 1,
+                                                       "restarts": 1}
+        r = httpx.post(s.url + "/v1/completions", json={"prompt": "after", "max_tokens": 5})
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == "after"
+        text = httpx.get(s.url + "/metrics").text
+        assert metric(text, "meshserve:engine_restarts_total") == 1
+        assert 'meshserve:request_success_total{finished_reason="error"} 1.0' in text
+        assert recovery < 20
+    finally:
+        s.stop()
+
+
+def test_an_engine_that_keeps_crashing_makes_the_server_exit_nonzero():
+    s = fake_server("--step-delay", "0.01", "--max-engine-restarts", "1")
+    try:
+        for _ in range(2):
+            _wait_for(lambda: httpx.get(s.url + "/health").status_code == 200, 30, "the engine was up")
+            with httpx.stream("POST", s.url + "/v1/completions", timeout=30,
+                              json={"prompt": "CRASH", "max_tokens": 9, "stream": True}) as r:
+                read_events(r)
+        assert s.proc.wait(30) == 1
+        assert "crashed 2 times" in s.output()
+    finally:
+        s.stop()
+
+
+def test_shutdown_kills_a_wedged_engine():
+    s = fake_server("--step-delay", "0.01", "--drain-timeout", "1")
+    try:
+        server = psutil.Process(s.pid)
+        engines = [c for c in server.children(recursive=True) if "python" in c.name().lower()]
+        assert engines
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(s.url + "/v1/completions", json={"prompt": "WEDGE", "max_tokens": 5}, timeout=1.5)
+        s.terminate()
+        assert s.proc.wait(40) == 0
+        gone, alive = psutil.wait_procs(engines, timeout=10)
+        assert not alive, "an engine process outlived its server"
+    finally:
+        s.stop()
+
+
+def test_an_engine_whose_server_was_killed_exits_by_itself():
+    s = fake_server("--step-delay", "0.01")
+    try:
+        engines = psutil.Process(s.pid).children(recursive=True)
+        with pytest.raises(httpx.ReadTimeout):  # wedge it, so only its watchdog can end it
+            httpx.post(s.url + "/v1/completions", json={"prompt": "WEDGE", "max_tokens": 5}, timeout=1.5)
+        s.proc.kill()
+        s.proc.wait()
+        gone, alive = psutil.wait_procs(engines, timeout=10)
+        assert not alive, "an orphaned engine kept running"
+    finally:
+        s.stop()
+
+
+def test_data_parallel_degrades_while_a_replica_restarts_and_it_rejoins():
+    s = fake_server("--data-parallel-size", "2", "--step-delay", "0.01", "--restart-delay", "3")
+    try:
+        with httpx.stream("POST", s.url + "/v1/completions", timeout=30,
+                          json={"prompt": "CRASH", "max_tokens": 9, "stream": True}) as r:
+            assert read_events(r)[-1]["error"]["code"] == "partial_stream_failure"
+        health = httpx.get(s.url + "/health")
+        assert health.status_code == 200 and health.json()["status"] == "degraded"
+        text = httpx.get(s.url + "/metrics").text
+        assert metric(text, "meshserve:engine_replicas_alive") == 1
+        # Every request goes to the live replica while the other restarts.
+        for i in range(6):
+            r = httpx.post(s.url + "/v1/completions", json={"prompt": f"req{i}", "max_tokens": 4}, timeout=30)
+            assert r.status_code == 200 and r.json()["choices"][0]["text"] == f"req{i}"
+        _wait_for(lambda: httpx.get(s.url + "/health").json()["status"] == "ok", 30, "the replica rejoined")
+        assert metric(httpx.get(s.url + "/metrics").text, "meshserve:engine_replicas_alive") == 2
     finally:
         s.stop()
 
