@@ -39,6 +39,13 @@ from meshserve.worker.executor import DistributedExecutor, WorkerFailure
 logger = logging.getLogger("meshserve")
 
 _SHUTDOWN_GRACE_S = 10.0  # for a rank to write its profiler trace and leave its process groups
+# After one rank's step raised, how long the others may take to finish theirs before they count as
+# stuck in a collective with it.
+STEP_ERROR_GRACE_S = 10.0
+
+
+class RankStepError(RuntimeError):
+    """A rank's step raised and every rank answered: the step failed, the executor is sound."""
 
 
 @contextmanager
@@ -102,6 +109,13 @@ def _worker_main(rank: int, conn: Connection, engine_alive: Connection, config: 
                 worker.close()
                 conn.send(("ok", None))
                 return
+            if method == "execute":
+                try:
+                    reply = ("ok", worker.execute(*args))
+                except Exception:  # the engine decides whether the step is contained (see _gather)
+                    reply = ("step_error", traceback.format_exc(limit=8))
+                conn.send(reply)
+                continue
             conn.send(("ok", getattr(worker, method)(*args)))
     except BaseException:
         try:
@@ -142,6 +156,7 @@ class MultiprocExecutor(DistributedExecutor):
         if len(set(pinned)) < len(pinned):
             logger.warning("%d ranks share CPU cores: each runs one thread, and ranks on the same core "
                            "take turns", world)
+        self._awaiting: set[int] = set()  # ranks whose reply to the last call is still unread
         self._tmpdir = tempfile.mkdtemp(prefix="meshserve-dist-")
         store_path = os.path.join(self._tmpdir, "store")
         ctx = _context()
@@ -162,7 +177,8 @@ class MultiprocExecutor(DistributedExecutor):
             self.procs.append(p)
             self.conns.append(conn)
             self._engine_alive.append(alive_w)
-        replies = self._gather(range(world))
+        self._awaiting = set(range(world))
+        replies = self._gather()
         self.infos = [replies[r] for r in range(world)]
         logger.info("%d worker processes (TP=%d x PP=%d, %s): %s", world, config.tensor_parallel_size,
                     config.pipeline_parallel_size, device.type,
@@ -180,16 +196,22 @@ class MultiprocExecutor(DistributedExecutor):
             except OSError:
                 self._fail(rank)
 
-    def _gather(self, ranks, timeout: float | None = None) -> dict:
-        """Each rank's reply; a rank that dies or reports an error first fails the executor."""
-        pending = {self.conns[r]: r for r in ranks}
+    def _gather(self, timeout: float | None = None) -> dict:
+        """Each awaited rank's reply; a rank that dies or reports an error fails the executor.
+
+        A rank whose step raised ("step_error") fails only the step, if every other rank still
+        answers within STEP_ERROR_GRACE_S: the ranks are then in step with each other and serve on.
+        A rank that does not is stuck in a collective with the failed one, and all are stopped."""
+        pending = {self.conns[r]: r for r in self._awaiting}
         sentinels = {p.sentinel: r for r, p in enumerate(self.procs)}
         deadline = None if timeout is None else time.monotonic() + timeout
-        replies = {}
+        replies, step_error = {}, None
         while pending:
             left = None if deadline is None else deadline - time.monotonic()
             ready = wait([*pending, *sentinels], left)
             if not ready:
+                if step_error is not None:
+                    self._fail(step_error[0], step_error[1])
                 raise TimeoutError(f"ranks {sorted(pending.values())} did not answer within {timeout} s")
             for obj in ready:
                 if obj in sentinels:  # a process exited: read what it left (its answer, error or EOF)
@@ -201,14 +223,28 @@ class MultiprocExecutor(DistributedExecutor):
                     status, value = obj.recv()
                 except (EOFError, OSError):
                     self._fail(rank)
+                self._awaiting.discard(rank)
                 if status == "error":
                     self._fail(rank, value)
+                if status == "step_error" and step_error is None:
+                    step_error = (rank, value)
+                    deadline = time.monotonic() + STEP_ERROR_GRACE_S
                 replies[rank] = value
+        if step_error is not None:
+            raise RankStepError(f"worker rank {step_error[0]} failed the step:\n{step_error[1].rstrip()}")
         return replies
 
     def _call_all(self, method: str, *args) -> list:
+        if self._failure is not None:
+            raise self._failure
+        if self._awaiting:  # replies to a call that was interrupted (KeyboardInterrupt): drop them
+            try:
+                self._gather()
+            except RankStepError:
+                pass
         self._broadcast(method, *args)
-        replies = self._gather(range(len(self.procs)))
+        self._awaiting = set(range(len(self.procs)))
+        replies = self._gather()
         return [replies[r] for r in range(len(self.procs))]
 
     def _fail(self, rank: int, error: str | None = None) -> NoReturn:
@@ -233,6 +269,7 @@ class MultiprocExecutor(DistributedExecutor):
                        f"Its error:\n{error.rstrip()}")
         self._failure = WorkerFailure(rank, message)
         self._closed = True
+        self._awaiting = set()
         self._finalizer()
         raise self._failure
 
@@ -258,7 +295,8 @@ class MultiprocExecutor(DistributedExecutor):
         self._closed = True
         try:
             self._broadcast("close")
-            self._gather(range(len(self.procs)), timeout=_SHUTDOWN_GRACE_S)
+            self._awaiting = set(range(len(self.procs)))
+            self._gather(timeout=_SHUTDOWN_GRACE_S)
         except (WorkerFailure, TimeoutError) as exc:
             logger.warning("workers did not stop cleanly: %s", exc)
         if self._finalizer.detach() is not None:

@@ -4,7 +4,7 @@ import signal
 import time
 
 import pytest
-from parallel_helpers import ENGINE_ARGS
+from parallel_helpers import ENGINE_ARGS, GREEDY, prompts
 
 from meshserve import LLM, SamplingParams
 from meshserve.worker.executor import WorkerFailure
@@ -50,5 +50,51 @@ def test_check_health_reports_a_rank_that_died_while_idle(tiny_kv2):
         with pytest.raises(WorkerFailure, match=r"worker rank 0 .*SIGKILL"):
             executor.check_health()
         assert not executor.procs[1].is_alive()
+    finally:
+        llm.engine.shutdown()
+
+
+def test_a_step_that_raises_on_every_rank_fails_only_its_requests(tiny_kv2, reference_kv2):
+    """All ranks raise in the same step (a block id outside the cache): every rank answers, so the
+    executor is sound; the engine fails that step's requests and serves the next ones exactly."""
+    llm = LLM(tiny_kv2, tensor_parallel_size=2, **ENGINE_ARGS)
+    engine = llm.engine
+    try:
+        real = engine._step_input
+
+        def corrupt(sched):
+            step = real(sched)
+            step.seqs[0].block_table = [10**6] * len(step.seqs[0].block_table)
+            return step
+
+        engine._step_input = corrupt
+        out = llm.generate(["Hello there"], SamplingParams(temperature=0.0, max_tokens=4))[0]
+        engine._step_input = real
+        assert out.outputs[0].finish_reason == "error" and "worker rank" in out.error
+        assert all(p.is_alive() for p in engine.executor.procs)
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts(), GREEDY)] == reference_kv2
+    finally:
+        engine.shutdown()
+
+
+def test_interrupted_step_replies_are_drained_before_the_next_call(tiny_kv2, reference_kv2):
+    llm = LLM(tiny_kv2, tensor_parallel_size=2, **ENGINE_ARGS)
+    executor = llm.engine.executor
+    try:
+        gather = executor._gather
+        calls = []
+
+        def interrupted(*a, **k):
+            calls.append(1)
+            if len(calls) == 2:  # the second step: sent to every rank, the wait interrupted (Ctrl-C)
+                raise KeyboardInterrupt
+            return gather(*a, **k)
+
+        executor._gather = interrupted
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate(["Hello there"], SamplingParams(temperature=0.0, max_tokens=8))
+        executor._gather = gather
+        assert executor._awaiting == {0, 1}
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts(), GREEDY)] == reference_kv2
     finally:
         llm.engine.shutdown()
