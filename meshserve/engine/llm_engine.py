@@ -274,5 +274,14 @@ class LLMEngine:
                            self.last_step_compute_s, self.last_step_comm_s,
                            parallel_timing=self.executor.timing_snapshot())
 
+    def check_health(self) -> None:
+        """Raise (WorkerFailure) if a rank is gone, even while no request is running."""
+        self.executor.check_health()
+
+    def health_watch(self) -> tuple[list, float | None]:
+        """What an idle engine process waits on besides its inbox: rank sentinels, and how often to
+        call check_health when there are none to wait on."""
+        return self.executor.sentinels(), self.executor.health_check_interval
+
     def shutdown(self) -> None:
         self.executor.shutdown()

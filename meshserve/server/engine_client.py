@@ -152,7 +152,9 @@ class EngineClient:
         in_r, in_w = self._ctx.Pipe(duplex=False)
         out_r, out_w = self._ctx.Pipe(duplex=False)
         alive_r, alive_w = self._ctx.Pipe(duplex=False)
-        proc = self._ctx.Process(target=run_engine_core, name=f"meshserve-engine-{r.rank}", daemon=True,
+        # Not a daemon: an engine starts worker processes of its own. Its watchdog and shutdown()
+        # make sure it never outlives the front end.
+        proc = self._ctx.Process(target=run_engine_core, name=f"meshserve-engine-{r.rank}",
                                  args=(r.factory, in_r, out_w, r.rank, r.placement, self._log_level, alive_r))
         proc.start()
         for end in (in_r, out_w, alive_r):  # the child holds these now; ours would hide its EOF

@@ -20,7 +20,7 @@ import signal
 import threading
 import time
 import traceback
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Connection, wait
 from typing import Any, Callable
 
 from meshserve.distributed.placement import ReplicaPlacement, apply_replica_placement
@@ -50,7 +50,7 @@ class EngineLoop:
         while True:
             if not engine.has_unfinished_requests():
                 self._send_stats_if_changed()  # e.g. KV usage back to idle after aborts
-                if not self._handle(self.inbox.recv()):  # idle: block until there is work
+                if not self._wait_for_work():
                     return
             while self.inbox.poll():
                 if not self._handle(self.inbox.recv()):
@@ -60,6 +60,17 @@ class EngineLoop:
                 now = time.monotonic()
                 self._last_stats = self._stats()
                 self.outbox.send(("step", now, deltas, self._last_stats))
+
+    def _wait_for_work(self) -> bool:
+        """Idle: block until ops arrive (False: shutdown). A rank that dies meanwhile wakes us, and
+        check_health raises, so a broken replica is restarted before a request finds it broken."""
+        watch = getattr(self.engine, "health_watch", None)
+        sentinels, interval = watch() if watch is not None else ([], None)
+        while True:
+            ready = wait([self.inbox, *sentinels], interval)
+            if self.inbox in ready:
+                return self._handle(self.inbox.recv())
+            self.engine.check_health()
 
     def _handle(self, ops: list[tuple]) -> bool:
         """Apply a batch of ops from the front end; False means stop."""

@@ -42,6 +42,13 @@ class Executor:
     def execute(self, step: StepInput) -> StepResult: ...
     def check_health(self) -> None: ...
 
+    def sentinels(self) -> list:
+        """Handles an idle engine can wait on that become ready when a rank dies (see EngineLoop)."""
+        return []
+
+    # How often an idle engine should call check_health when its ranks have no sentinels (seconds).
+    health_check_interval: float | None = None
+
     def shutdown(self) -> None:
         if not (self.config.profile or self.config.profile_dir) or not self.timing.steps:
             return

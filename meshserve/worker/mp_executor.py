@@ -284,6 +284,9 @@ class MultiprocExecutor(DistributedExecutor):
             pass
         return None
 
+    def sentinels(self) -> list:
+        return [] if self._closed else [p.sentinel for p in self.procs]
+
     def _probe(self) -> None:
         for rank, p in enumerate(self.procs):
             if not p.is_alive():

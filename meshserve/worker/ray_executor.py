@@ -172,6 +172,8 @@ class RayExecutor(DistributedExecutor):
     def _step_arg(self, step: StepInput):
         return self._ray.put(step)  # stored once, read by every actor
 
+    health_check_interval = 5.0  # Ray actors have no process sentinel here: poll
+
     def _probe(self) -> None:
         self._get([a.node_id.remote() for a in self.actors], timeout=30.0)
 
