@@ -11,7 +11,7 @@ from typing import Callable
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from meshserve.distributed.timing import COMM_KINDS
+from meshserve.distributed.timing import comm_kinds_in
 
 PREFIX = "meshserve:"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -97,9 +97,10 @@ class _ParallelTimingCollector:
                                     labels=["rank"])
         comm = GaugeMetricFamily(p + "step_communication_seconds",
                                  "Communication time of the last step, per rank and kind.", labels=["rank", "kind"])
+        kinds = comm_kinds_in(t["comm"] for t in snap.get("total", {}).values())
         for rank, t in snap.get("last", {}).items():
             compute.add_metric([str(rank)], t["compute"])
-            for kind in COMM_KINDS:
+            for kind in kinds:
                 comm.add_metric([str(rank), kind], t["comm"].get(kind, 0.0))
         compute_total = CounterMetricFamily(p + "compute_seconds", "Compute time since start, per rank.",
                                             labels=["rank"])
@@ -107,7 +108,7 @@ class _ParallelTimingCollector:
                                          "Communication time since start, per rank and kind.", labels=["rank", "kind"])
         for rank, t in snap.get("total", {}).items():
             compute_total.add_metric([str(rank)], t["compute"])
-            for kind in COMM_KINDS:
+            for kind in kinds:
                 comm_total.add_metric([str(rank), kind], t["comm"].get(kind, 0.0))
         steps = CounterMetricFamily(p + "engine_steps", "Model steps executed.", value=float(snap.get("steps", 0)))
         yield from (compute, comm, compute_total, comm_total, steps)

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from meshserve.config import EngineConfig
+from meshserve.distributed.expert_load import ExpertLoadStats, format_expert_load_table, format_expert_matrix_csv
 from meshserve.distributed.timing import RankTiming, TimingStats, mean_timing
 from meshserve.engine.step import StepInput, StepResult
 from meshserve.layers.sampler import SamplerOutput
@@ -35,6 +36,11 @@ class Executor:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.timing = TimingStats()
+        self.infos: list[dict] = []  # per rank, from Worker.info
+        self.expert_load: ExpertLoadStats | None = None  # set for an MoE model (set_moe)
+
+    def set_moe(self, num_experts: int, ep_size: int) -> None:
+        self.expert_load = ExpertLoadStats(num_experts, ep_size)
 
     def num_kv_blocks(self) -> int: ...
     def init_kv_cache(self, num_blocks: int) -> None: ...
@@ -47,16 +53,28 @@ class Executor:
             return
         table = self.timing.table(self.config.tensor_parallel_size)
         print(f"where the step time went:\n{table}", file=sys.stderr)
+        load = self.expert_load_snapshot()
+        if load:
+            print(f"tokens routed to the experts:\n{format_expert_load_table(load)}", file=sys.stderr)
         if self.config.profile_dir:
-            out = Path(self.config.profile_dir) / "step_timing.txt"
-            out.parent.mkdir(parents=True, exist_ok=True)
-            out.write_text(table + "\n")
+            out = Path(self.config.profile_dir)
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "step_timing.txt").write_text(table + "\n")
+            if load:
+                (out / "expert_load.txt").write_text(format_expert_load_table(load) + "\n")
+                (out / "expert_load.csv").write_text(format_expert_matrix_csv(load))
 
     def timing_snapshot(self) -> dict:
         return self.timing.snapshot()
 
-    def _result(self, sampled: SamplerOutput | None, timings: list[RankTiming]) -> StepResult:
+    def expert_load_snapshot(self) -> dict:
+        return self.expert_load.snapshot() if self.expert_load is not None else {}
+
+    def _result(self, sampled: SamplerOutput | None, timings: list[RankTiming],
+                expert_counts: list[dict[int, list[int]]]) -> StepResult:
         self.timing.record(timings)
+        if self.expert_load is not None:
+            self.expert_load.record(expert_counts)
         compute, comm = mean_timing(timings)
         return StepResult(sampled, compute, comm, timings)
 
@@ -66,6 +84,7 @@ class UniProcExecutor(Executor):
         super().__init__(config)
         self.worker = Worker(config, source, max_model_len)
         self.runner = self.worker.runner
+        self.infos = [self.worker.info]
 
     def num_kv_blocks(self) -> int:
         return self.runner.num_kv_blocks()
@@ -77,8 +96,8 @@ class UniProcExecutor(Executor):
         return self.runner.block_bytes
 
     def execute(self, step: StepInput) -> StepResult:
-        sampled, timing = self.worker.execute(step)
-        return self._result(sampled, [timing])
+        sampled, timing, expert_counts = self.worker.execute(step)
+        return self._result(sampled, [timing], [expert_counts])
 
     def check_health(self) -> None:
         pass
@@ -121,7 +140,8 @@ class DistributedExecutor(Executor):
 
     def execute(self, step: StepInput) -> StepResult:
         replies = self._call_all("execute", self._step_arg(step))
-        return self._result(replies[self.sampling_rank][0], [timing for _, timing in replies])
+        return self._result(replies[self.sampling_rank][0], [timing for _, timing, _ in replies],
+                            [counts for _, _, counts in replies])
 
     def check_health(self) -> None:
         if self._failure is not None:
@@ -134,11 +154,20 @@ class DistributedExecutor(Executor):
 def make_executor(config: EngineConfig, source: ModelSource, max_model_len: int) -> Executor:
     """Check the layout against the model (ValueError naming the valid sizes), then start the ranks."""
     cfg, tp = source.config, config.tensor_parallel_size
-    check_parallel_layout(cfg, tp, config.pipeline_parallel_size, config.pipeline_split)
+    check_parallel_layout(cfg, tp, config.pipeline_parallel_size, config.pipeline_split,
+                          config.enable_expert_parallel)
     if kv_heads_replicated(cfg, tp):
         logger.warning("tensor_parallel_size %d exceeds the model's %d KV heads: each KV head is replicated on "
                        "%d ranks, so the per-rank KV cache stops shrinking beyond TP=%d",
                        tp, cfg.num_key_value_heads, tp // cfg.num_key_value_heads, cfg.num_key_value_heads)
+    executor = _start_executor(config, source, max_model_len)
+    if cfg.is_moe:
+        executor.set_moe(cfg.num_experts, tp if config.enable_expert_parallel else 1)
+        log_expert_placement(config, cfg, executor.infos)
+    return executor
+
+
+def _start_executor(config: EngineConfig, source: ModelSource, max_model_len: int) -> Executor:
     backend = config.distributed_executor_backend
     if config.world_size == 1:
         return UniProcExecutor(config, source, max_model_len)
@@ -150,3 +179,21 @@ def make_executor(config: EngineConfig, source: ModelSource, max_model_len: int)
         return RayExecutor(config, source, max_model_len)
     from meshserve.worker.mp_executor import MultiprocExecutor
     return MultiprocExecutor(config, source, max_model_len)
+
+
+def log_expert_placement(config: EngineConfig, cfg, infos: list[dict]) -> None:
+    """The start-up line an operator checks first: how the experts are spread over the ranks."""
+    experts = [i["experts"] for i in infos if i.get("experts")]
+    if not experts:
+        return
+    mib = max(e["expert_bytes"] for e in experts) / 2**20
+    tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
+    if config.enable_expert_parallel:
+        logger.info("expert parallelism: EP=%d ranks per stage (EP = TP = %d: the same %d processes, no extra "
+                    "devices; world TP x PP = %d), %d of %d experts per rank, %.1f MiB of expert weights per "
+                    "rank (%d MoE layers on the fullest stage)", tp, tp, tp, tp * pp,
+                    experts[0]["local_experts"], cfg.num_experts, mib, max(e["moe_layers"] for e in experts))
+    else:
+        logger.info("MoE: %d experts, top-%d; expert parallelism off: each of the %d TP ranks holds a 1/%d slice "
+                    "of every expert, %.1f MiB of expert weights per rank", cfg.num_experts,
+                    cfg.num_experts_per_tok, tp, tp, mib)
