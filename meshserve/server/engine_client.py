@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Sequence
 
+from meshserve.distributed.expert_load import merge_snapshots
 from meshserve.engine.messages import AddRequest, RequestDelta
 from meshserve.sampling_params import SamplingParams
 from meshserve.server.engine_core import run_engine_core
@@ -303,6 +304,10 @@ class EngineClient:
     def parallel_timing(self) -> dict | None:
         """Per-rank step timing of the first engine (rank labels of several replicas would collide)."""
         return self._engines[0].stats.get("parallel_timing") if self._engines else None
+
+    def expert_load(self) -> dict:
+        """Tokens routed per MoE layer and expert, added over the engines ({} for a dense model)."""
+        return merge_snapshots([h.stats.get("expert_load") or {} for h in self._engines])
 
     def stats(self) -> dict:
         """Engine stats summed over engines (KV usage averaged)."""

@@ -11,6 +11,7 @@ from typing import Callable
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from meshserve.distributed.expert_load import summarize
 from meshserve.distributed.timing import comm_kinds_in
 
 PREFIX = "meshserve:"
@@ -125,3 +126,42 @@ def register_parallel_metrics(registry, read_snapshot: Callable[[], dict | None]
     rate(communication) / (rate(compute) + rate(communication)) is the share of time in communication.
     """
     registry.register(_ParallelTimingCollector(read_snapshot, prefix))
+
+
+class _ExpertLoadCollector:
+    """Routing skew of an MoE model. Labels are bounded by the model, not the traffic: `expert`
+    (E values) and `rank` (EP values); the per-layer matrix (layers x E, thousands of series for a
+    large MoE) is left to GET /moe/expert_load rather than to every scrape."""
+
+    def __init__(self, read_snapshot: Callable[[], dict | None], prefix: str) -> None:
+        self._read, self._prefix = read_snapshot, prefix
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        s = summarize(self._read() or {})
+        if not s["moe"]:
+            return
+        p = self._prefix
+        expert = CounterMetricFamily(p + "moe_expert_tokens", "Tokens routed to each expert, summed over the MoE "
+                                     "layers (a token counts once for each of its k experts).", labels=["expert"])
+        for e, n in enumerate(s["expert_tokens"]):
+            expert.add_metric([str(e)], n)
+        rank = CounterMetricFamily(p + "moe_rank_tokens", "Tokens handled by each expert-parallel rank's experts, "
+                                   "summed over the MoE layers.", labels=["rank"])
+        for r, n in enumerate(s["rank_tokens"]):
+            rank.add_metric([str(r)], n)
+        yield expert
+        yield rank
+        yield GaugeMetricFamily(p + "moe_rank_load_max_to_mean", "Busiest expert-parallel rank's load over the mean, "
+                                "summed over MoE layers since start (1 = balanced; the expert phase runs this much "
+                                "slower than a balanced one).", value=s["rank_max_to_mean"])
+        yield GaugeMetricFamily(p + "moe_expert_load_max_to_mean", "Hottest expert's load over the mean expert load, "
+                                "summed over MoE layers since start (1 = balanced).", value=s["expert_max_to_mean"])
+
+
+def register_moe_metrics(registry, read_snapshot: Callable[[], dict | None], prefix: str = PREFIX) -> None:
+    """Add the MoE routing series (nothing for a dense model). `read_snapshot` returns the engine
+    stats' "expert_load" (ExpertLoadStats.snapshot(), merged over replicas) at scrape time."""
+    registry.register(_ExpertLoadCollector(read_snapshot, prefix))
