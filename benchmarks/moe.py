@@ -112,7 +112,7 @@ def main() -> None:
             tp, ep = layout["tensor_parallel_size"], layout.get("enable_expert_parallel", False)
             threads = torch.get_num_threads() if tp == 1 else max(1, cores // tp)  # as the engine pins ranks
             if threads not in gpus:
-                cal, path = calibrate(Path(tmp) / f"cal{threads}.json", threads=threads)
+                cal, _ = calibrate(Path(tmp) / f"cal{threads}.json", threads=threads)
                 gpus[threads] = cal.to_gpu_spec()
                 print(f"calibrated {threads} thread(s): matmul {cal.matmul_flops / 1e9:.1f} GFLOP/s, memory "
                       f"{cal.memory_bandwidth / 1e9:.1f} GB/s, gloo alpha {cal.allreduce_latency_s * 1e6:.0f} us "

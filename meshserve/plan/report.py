@@ -58,10 +58,15 @@ def header(result: PlanResult) -> list[str]:
         f"Budget {c.gpu_memory_utilization:g} x memory - {c.runtime_reserve_gib:g} GiB reserve per GPU; "
         f"token mix {c.prompt_len:,} prompt + {c.output_len:,} output; SLO {slo}; rate {rate}",
         "Units  GB = 1e9 bytes, GiB = 2^30 bytes; bandwidths in decimal GB/s",
-    ] + ([f"MoE    EP layouts split whole experts over the TP ranks (EP = TP, the same GPUs: TP x PP x DP "
-          f"GPUs in all); all resident experts count in memory; skew "
-          f"{f'{c.moe_load_max_to_mean:g} (measured)' if c.moe_load_max_to_mean else 'from uniform routing'}"]
-         if m.is_moe else [])
+    ] + _moe_line(c)
+
+
+def _moe_line(c) -> list[str]:
+    if not c.model.is_moe:
+        return []
+    skew = f"{c.moe_load_max_to_mean:g} (measured)" if c.moe_load_max_to_mean else "from uniform routing"
+    return [f"MoE    EP layouts split whole experts over the TP ranks (EP = TP, the same GPUs: TP x PP x DP "
+            f"GPUs in all); all resident experts count in memory; busiest EP rank's load {skew}"]
 
 
 def format_report(result: PlanResult) -> str:

@@ -13,7 +13,11 @@ import sys
 from pathlib import Path
 
 from meshserve.config import EngineConfig
-from meshserve.distributed.expert_load import ExpertLoadStats, format_expert_load_table, format_expert_matrix_csv
+from meshserve.distributed.expert_load import (
+    ExpertLoadStats,
+    format_expert_load_table,
+    format_expert_matrix_csv,
+)
 from meshserve.distributed.timing import RankTiming, TimingStats, mean_timing
 from meshserve.engine.step import StepInput, StepResult
 from meshserve.layers.sampler import SamplerOutput

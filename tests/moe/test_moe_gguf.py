@@ -34,22 +34,20 @@ def _write_gguf(hf_dir: str, out: str, family: str) -> None:
     cfg = ModelConfig.from_json_file(f"{hf_dir}/config.json")
     arch = GGUF_ARCH[family]
     w = gguf.GGUFWriter(out, arch)
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_key_length(cfg.head_dim)
-    w.add_value_length(cfg.head_dim)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_rope_freq_base(cfg.rope_theta)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_expert_count(cfg.num_experts)
-    w.add_expert_used_count(cfg.num_experts_per_tok)
-    if family != "mixtral":
-        w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
-    if cfg.shared_expert_intermediate_size:
-        w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
+    metadata = {
+        "block_count": cfg.num_hidden_layers, "embedding_length": cfg.hidden_size,
+        "head_count": cfg.num_attention_heads, "head_count_kv": cfg.num_key_value_heads,
+        "key_length": cfg.head_dim, "value_length": cfg.head_dim, "feed_forward_length": cfg.intermediate_size,
+        "layer_norm_rms_eps": cfg.rms_norm_eps, "rope_freq_base": cfg.rope_theta,
+        "context_length": cfg.max_position_embeddings, "expert_count": cfg.num_experts,
+        "expert_used_count": cfg.num_experts_per_tok,
+        # llama.cpp writes no expert width for Mixtral (it is feed_forward_length) and a shared width only if any.
+        "expert_feed_forward_length": cfg.moe_intermediate_size if family != "mixtral" else None,
+        "expert_shared_feed_forward_length": cfg.shared_expert_intermediate_size or None,
+    }
+    for key, value in metadata.items():
+        if value is not None:
+            getattr(w, f"add_{key}")(value)
     _add_byte_level_tokenizer(w)
     tensors, experts = {}, {}
     for name, t in load_file(f"{hf_dir}/model.safetensors").items():

@@ -5,7 +5,13 @@ import torch
 import torch.nn.functional as F
 
 from meshserve.distributed.parallel_state import ParallelState, set_parallel_state
-from meshserve.layers.moe import GroupedExperts, RouterSpec, SparseMoeBlock, route, weighted_sum
+from meshserve.layers.moe import (
+    GroupedExperts,
+    RouterSpec,
+    SparseMoeBlock,
+    route,
+    weighted_sum,
+)
 
 
 @pytest.fixture(autouse=True)

@@ -19,7 +19,7 @@ from meshserve import LLM, SamplingParams
 from meshserve.server.metrics import register_moe_metrics
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "server"))
-from server_helpers import ServerProcess  # noqa: E402
+from server_helpers import ServerProcess
 
 NUM_EXPERTS = 8
 
