@@ -34,6 +34,9 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     pipeline_split: list[int] | None = None  # layers per stage; even split when None
+    # MoE layers split whole experts over the TP ranks (EP = TP, vLLM's rule within one replica)
+    # instead of slicing every expert; attention stays tensor-parallel.
+    enable_expert_parallel: bool = False
     distributed_executor_backend: str = "mp"
     profile: bool = False  # print where the step time went (compute vs communication) at shutdown
     profile_dir: str | None = None  # torch.profiler traces of the workers go here when set
@@ -111,6 +114,9 @@ class EngineConfig:
         g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
         g.add_argument("--pipeline-split", type=lambda s: [int(x) for x in s.split(",")], default=None,
                        metavar="N,N,...", help="layers per pipeline stage (default: even)")
+        g.add_argument("--enable-expert-parallel", action="store_true",
+                       help="MoE models: split whole experts over the TP ranks (EP size = TP size, the same "
+                            "devices: TP x PP ranks in all, never TP x PP x EP); attention stays TP")
         g.add_argument("--distributed-executor-backend", default="mp", choices=["mp", "ray"])
         g.add_argument("--profile", action="store_true",
                        help="at shutdown, print per-rank compute vs communication time (all-reduce, send/recv)")

@@ -35,6 +35,10 @@ class ParallelState:
     tp_group: object = None  # torch.distributed ProcessGroup of this rank's TP peers
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     comm_timer: CommTimer = field(default_factory=CommTimer)
+    # Expert parallelism: the MoE layers split whole experts over the TP ranks of a stage (EP = TP,
+    # the same processes, never extra ones); 1 when it is off.
+    ep_size: int = 1
+    ep_rank: int = 0
 
     @property
     def world_size(self) -> int:
@@ -56,14 +60,14 @@ class ParallelState:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+    def all_reduce(self, x: torch.Tensor, kind: str = "all_reduce") -> torch.Tensor:
         if self.tp_size == 1:
             return x
         self._sync()
         t0 = time.perf_counter()
         dist.all_reduce(x, group=self.tp_group)
         self._sync()
-        self.comm_timer.add("all_reduce", time.perf_counter() - t0)
+        self.comm_timer.add(kind, time.perf_counter() - t0)
         return x
 
     def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
@@ -77,6 +81,32 @@ class ParallelState:
         self._sync()
         self.comm_timer.add("all_gather", time.perf_counter() - t0)
         return torch.cat(parts, dim=-1)
+
+    def all_to_all(self, x: torch.Tensor, send_rows: list[int], recv_rows: list[int], kind: str) -> torch.Tensor:
+        """Rows of `x` to the EP ranks (send_rows[r] consecutive rows to rank r); returns the rows
+        received, in rank order. `kind` names the phase in the step timing (dispatch or combine)."""
+        self._sync()
+        t0 = time.perf_counter()
+        out = x.new_empty((sum(recv_rows), *x.shape[1:]))
+        _all_to_all_rows(out, x.contiguous(), recv_rows, send_rows, self.tp_group, self._ep_peers())
+        self._sync()
+        self.comm_timer.add(kind, time.perf_counter() - t0)
+        return out
+
+    def all_gather_stacked(self, x: torch.Tensor, kind: str = "all_gather") -> torch.Tensor:
+        """[EP, *x.shape]: every EP rank's `x` (same shape on all ranks)."""
+        self._sync()
+        t0 = time.perf_counter()
+        parts = [torch.empty_like(x) for _ in range(self.ep_size)]
+        dist.all_gather(parts, x.contiguous(), group=self.tp_group)
+        self._sync()
+        self.comm_timer.add(kind, time.perf_counter() - t0)
+        return torch.stack(parts)
+
+    def _ep_peers(self) -> list[int]:
+        """Global ranks of this rank's EP group (its stage's TP ranks), in EP-rank order."""
+        first = self.pp_rank * self.tp_size
+        return list(range(first, first + self.ep_size))
 
     def send(self, x: torch.Tensor, dst: int) -> None:
         self._sync()
@@ -109,11 +139,48 @@ class ParallelState:
         return x
 
 
+# Some gloo builds have no all_to_all; the pairwise exchange below then takes over (found on first use).
+_NATIVE_ALL_TO_ALL = True
+
+
+def _all_to_all_rows(out: torch.Tensor, x: torch.Tensor, recv_rows: list[int], send_rows: list[int], group,
+                     peers: list[int]) -> None:
+    global _NATIVE_ALL_TO_ALL
+    if _NATIVE_ALL_TO_ALL:
+        try:
+            dist.all_to_all_single(out, x, recv_rows, send_rows, group=group)
+            return
+        except RuntimeError as e:  # e.g. "ProcessGroupGloo does not support alltoall"
+            if "support" not in str(e):
+                raise
+            _NATIVE_ALL_TO_ALL = False
+    _pairwise_all_to_all(out, x, recv_rows, send_rows, group, peers)
+
+
+def _pairwise_all_to_all(out: torch.Tensor, x: torch.Tensor, recv_rows: list[int], send_rows: list[int], group,
+                         peers: list[int]) -> None:
+    """The same exchange as point-to-point pairs: every rank posts all its sends and receives at once."""
+    me = dist.get_rank()
+    sends, recvs = x.split(send_rows), out.split(recv_rows)
+    ops = []
+    for r, peer in enumerate(peers):
+        if peer == me:
+            recvs[r].copy_(sends[r])
+            continue
+        if send_rows[r]:
+            ops.append(dist.P2POp(dist.isend, sends[r].contiguous(), peer, group))
+        if recv_rows[r]:
+            ops.append(dist.P2POp(dist.irecv, recvs[r], peer, group))
+    for work in dist.batch_isend_irecv(ops) if ops else []:
+        work.wait()
+
+
 def init_distributed(rank: int, tp_size: int, pp_size: int, store, device: torch.device,
-                     timeout_s: float) -> ParallelState:
+                     timeout_s: float, expert_parallel: bool = False) -> ParallelState:
     """Join this replica's process group (through an already connected store) and build the TP groups.
     Gloo on CPU, NCCL on CUDA. Every rank creates every TP group, in the same order, as
-    torch.distributed requires."""
+    torch.distributed requires. With `expert_parallel` the MoE layers use each TP group as their
+    expert-parallel group."""
     from datetime import timedelta
 
     world = tp_size * pp_size
@@ -127,6 +194,8 @@ def init_distributed(rank: int, tp_size: int, pp_size: int, store, device: torch
         if rank in ranks:
             tp_group = group
     state = ParallelState(tp_size, pp_size, rank % tp_size, rank // tp_size, tp_group, device)
+    if expert_parallel:
+        state.ep_size, state.ep_rank = tp_size, state.tp_rank
     set_parallel_state(state)
     return state
 

@@ -1,5 +1,7 @@
 """Where a step's time goes on each rank: compute versus communication (all-reduce, all-gather,
-send/recv), kept as totals since start plus the last step, shown as a table (the Prometheus series are built from these totals in server/metrics.py).
+send/recv, and with expert parallelism the all-to-all dispatch and combine of the MoE layers), kept as
+totals since start plus the last step, shown as a table (the Prometheus series are built from these
+totals in server/metrics.py).
 
 Communication time is wall time inside the collective, so it includes waiting for the slowest peer:
 for all-reduce the straggling TP rank, for send/recv the previous pipeline stage (the pipeline bubble).
@@ -10,7 +12,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-COMM_KINDS = ("all_reduce", "all_gather", "send_recv")
+DENSE_COMM_KINDS = ("all_reduce", "all_gather", "send_recv")
+# Expert parallelism: tokens to their experts' ranks (with the routing counts), and the results back.
+EXPERT_COMM_KINDS = ("all_to_all_dispatch", "all_to_all_combine")
+COMM_KINDS = DENSE_COMM_KINDS + EXPERT_COMM_KINDS
+
+
+def comm_kinds_in(comm_by_rank) -> tuple[str, ...]:
+    """The kinds to show: always the dense ones, the expert-parallel ones only where some rank used
+    them (a dense model's table and series stay as they were)."""
+    seen = {k for comm in comm_by_rank for k in comm}
+    return DENSE_COMM_KINDS + tuple(k for k in EXPERT_COMM_KINDS if k in seen)
 
 
 @dataclass
@@ -65,14 +77,15 @@ class TimingStats:
 
 def format_timing_table(timings: list[RankTiming], steps: int, tp_size: int = 1) -> str:
     """Per-rank compute and communication seconds and the share of time in communication."""
-    head = ["rank", "stage", "tp", "compute s", *(f"{k} s" for k in COMM_KINDS), "comm share"]
+    kinds = comm_kinds_in(t.comm_s for t in timings)
+    head = ["rank", "stage", "tp", "compute s", *(f"{k} s" for k in kinds), "comm share"]
     rows = []
     total = RankTiming(-1)
     for t in sorted(timings, key=lambda t: t.rank):
         total.add(t)
-        rows.append(_row(str(t.rank), str(t.rank // tp_size), str(t.rank % tp_size), t))
+        rows.append(_row(str(t.rank), str(t.rank // tp_size), str(t.rank % tp_size), t, kinds))
     if len(timings) > 1:
-        rows.append(_row("all", "", "", total))
+        rows.append(_row("all", "", "", total, kinds))
     widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
     lines = [f"{steps} steps; communication = wall time inside collectives and point-to-point transfers",
              "  ".join(h.rjust(w) for h, w in zip(head, widths))]
@@ -80,8 +93,8 @@ def format_timing_table(timings: list[RankTiming], steps: int, tp_size: int = 1)
     return "\n".join(lines)
 
 
-def _row(rank: str, stage: str, tp: str, t: RankTiming) -> list[str]:
+def _row(rank: str, stage: str, tp: str, t: RankTiming, kinds: tuple[str, ...]) -> list[str]:
     wall = t.compute_s + t.comm_total_s
     share = t.comm_total_s / wall if wall > 0 else 0.0
-    return [rank, stage, tp, f"{t.compute_s:.3f}", *(f"{t.comm_s.get(k, 0.0):.3f}" for k in COMM_KINDS),
+    return [rank, stage, tp, f"{t.compute_s:.3f}", *(f"{t.comm_s.get(k, 0.0):.3f}" for k in kinds),
             f"{share:.1%}"]

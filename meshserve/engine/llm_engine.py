@@ -41,6 +41,8 @@ class EngineStats:
     last_step_comm_s: float = 0.0
     # Per-rank compute/communication seconds (last step and totals): Executor.timing_snapshot().
     parallel_timing: dict = field(default_factory=dict)
+    # MoE models: tokens routed to each expert of each layer ({} for dense): Executor.expert_load_snapshot().
+    expert_load: dict = field(default_factory=dict)
 
 
 class LLMEngine:
@@ -272,7 +274,8 @@ class LLMEngine:
                            bm.prefix_hits, self.num_prompt_tokens, self.num_generation_tokens,
                            self.scheduler.num_preemptions, bm.num_free_blocks, bm.num_blocks,
                            self.last_step_compute_s, self.last_step_comm_s,
-                           parallel_timing=self.executor.timing_snapshot())
+                           parallel_timing=self.executor.timing_snapshot(),
+                           expert_load=self.executor.expert_load_snapshot())
 
     def check_health(self) -> None:
         """Raise (WorkerFailure) if a rank is gone, even while no request is running."""

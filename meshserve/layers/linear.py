@@ -80,12 +80,17 @@ class QKVParallelLinear(ColumnParallelLinear):
 
 
 class RowParallelLinear(PrepackedMatmul, nn.Module):
-    """y = x W^T with W's input columns split across ranks; one all-reduce sums the partial outputs."""
+    """y = x W^T with W's input columns split across ranks; one all-reduce sums the partial outputs.
+    `reduce_results=False` returns the partial sum, for a caller that adds more partials first
+    (an MoE block reduces its shared expert together with the routed experts)."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, reduce_results: bool = True):
         super().__init__()
         ps = get_parallel_state()
         self.tp_rank, self.tp_size = ps.tp_rank, ps.tp_size
+        self.reduce_results = reduce_results
+        if bias and not reduce_results:
+            raise ValueError("a row-parallel bias is added after the reduction, so it needs reduce_results=True")
         if in_features % self.tp_size:
             raise ValueError(f"input size {in_features} is not divisible by tensor_parallel_size {self.tp_size}")
         self.in_per_rank = in_features // self.tp_size
@@ -102,5 +107,20 @@ class RowParallelLinear(PrepackedMatmul, nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.matmul(x)
+        if not self.reduce_results:
+            return y
         y = get_parallel_state().all_reduce(y)
         return y + self.bias if self.bias is not None else y
+
+
+class ReplicatedLinear(PrepackedMatmul, nn.Module):
+    """y = x W^T with the whole W on every rank: for small projections whose full output every rank
+    needs (an MoE router, a shared expert's gate)."""
+
+    def __init__(self, in_features: int, out_features: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.weight.weight_loader = _plain_loader
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.matmul(x)

@@ -1,12 +1,15 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Qwen2 with attention bias, SmolLM) with TP/PP-aware layers."""
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2 with attention bias, SmolLM) with TP/PP-aware layers.
+
+The MoE families (models/qwen_moe.py, models/mixtral.py) reuse these pieces: the decoder layer takes
+its MLP as an argument, and the attention gains Qwen3's per-head query/key norm when the config has it.
+"""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from meshserve.distributed.parallel_state import get_parallel_state
-from meshserve.layers import cpu_kernels
+from meshserve.layers.activation import silu_and_mul
 from meshserve.layers.attention import AttentionMetadata, PagedAttention
 from meshserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from meshserve.layers.linear import (
@@ -33,32 +36,54 @@ class LlamaAttention(nn.Module):
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim)
 
     def forward(self, positions, h, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
-        q, k, v = self.rotary.apply_qkv(positions, self.qkv_proj(h), self.num_heads, self.num_kv_heads)
+        q, k, v = self.rotated_qkv(positions, self.qkv_proj(h))
         o = self.attn(q, k, v, kv_cache[0], kv_cache[1], meta)
         return self.o_proj(o.reshape(h.shape[0], self.num_heads * self.head_dim))
 
+    def rotated_qkv(self, positions, qkv: torch.Tensor):
+        return self.rotary.apply_qkv(positions, qkv, self.num_heads, self.num_kv_heads)
+
+
+class QKNormAttention(LlamaAttention):
+    """Qwen3: each query and key head is RMS-normalised (one weight vector over head_dim) before the
+    rotary embedding."""
+
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding):
+        super().__init__(cfg, rotary)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+
+    def rotated_qkv(self, positions, qkv: torch.Tensor):
+        t, d = qkv.shape[0], self.head_dim
+        q, k, v = qkv.split([self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], dim=-1)
+        q = self.q_norm(q.reshape(t * self.num_heads, d)).view(t, self.num_heads, d)
+        k = self.k_norm(k.reshape(t * self.num_kv_heads, d)).view(t, self.num_kv_heads, d)
+        q, k = self.rotary(positions, q, k)
+        return q, k, v.reshape(t, self.num_kv_heads, d)
+
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    """SwiGLU MLP, gate/up column-parallel and down row-parallel. `reduce_results=False` leaves the
+    TP partial sum for the caller to reduce (a shared expert inside an MoE block)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, reduce_results: bool = True):
         super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2)
-        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size)
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, reduce_results=reduce_results)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        if cpu_kernels.usable(gate_up):
-            return self.down_proj(cpu_kernels.silu_and_mul(gate_up))
-        gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding):
+    """`mlp`: the feed-forward block (default: the dense SwiGLU MLP); an MoE block fits the same slot."""
+
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, mlp: nn.Module | None = None):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = LlamaAttention(cfg, rotary)
+        self.self_attn = (QKNormAttention if cfg.qk_norm else LlamaAttention)(cfg, rotary)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = LlamaMLP(cfg)
+        self.mlp = mlp if mlp is not None else LlamaMLP(cfg.hidden_size, cfg.intermediate_size)
 
     def forward(self, positions, h, residual, kv_cache, meta):
         """Takes and returns the pair (sub-layer output, residual stream) whose sum is the layer's
@@ -97,9 +122,12 @@ class LlamaForCausalLM(nn.Module):
         self.is_first, self.is_last = ps.is_first_stage, ps.is_last_stage
         rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size) if self.is_first else None
-        self.layers = nn.ModuleDict({str(i): LlamaDecoderLayer(cfg, rotary) for i in self.layer_range})
+        self.layers = nn.ModuleDict({str(i): self.make_layer(cfg, i, rotary) for i in self.layer_range})
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if self.is_last else None
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size) if self.is_last else None
+
+    def make_layer(self, cfg: ModelConfig, layer: int, rotary: RotaryEmbedding) -> nn.Module:
+        return LlamaDecoderLayer(cfg, rotary)
 
     def forward(self, input_ids, positions, kv_caches, meta, hidden=None) -> torch.Tensor:
         """First stage takes token ids, later stages the previous stage's hidden states. Returns the
@@ -132,13 +160,7 @@ class LlamaForCausalLM(nn.Module):
                 if self.cfg.tie_word_embeddings:
                     targets.append(("lm_head.weight", None))
             else:
-                local = name.removeprefix("model.")
-                shard = None
-                for frag, (ours, sid) in self.STACKED.items():
-                    if frag in local:
-                        local, shard = local.replace(frag, ours), sid
-                        break
-                targets.append((local, shard))
+                targets.append(self.checkpoint_target(name.removeprefix("model.")))
             for local, shard in targets:
                 p = params.get(local)
                 if p is None:
@@ -147,3 +169,10 @@ class LlamaForCausalLM(nn.Module):
                     p.weight_loader(p, tensor) if hasattr(p, "weight_loader") else p.data.copy_(tensor)
                 else:
                     p.weight_loader(p, tensor, shard)
+
+    def checkpoint_target(self, local: str) -> tuple[str, object]:
+        """(our parameter name, shard id or None) for a checkpoint tensor name without 'model.'."""
+        for frag, (ours, sid) in self.STACKED.items():
+            if frag in local:
+                return local.replace(frag, ours), sid
+        return local, None

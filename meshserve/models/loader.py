@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from meshserve.models.model_config import ModelConfig
-from meshserve.models.registry import architecture_of_gguf, check_supported
+from meshserve.models.registry import architecture_of_gguf, check_supported, model_class
 from meshserve.tokenizer import Tokenizer
 from meshserve.utils.paths import cache_dir
 
@@ -108,7 +108,20 @@ _GGUF_LAYER_NAMES = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+    # Qwen3 per-head query/key norms; MoE routers and Qwen2-MoE's shared expert with its gate.
+    "attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_gate_inp.weight": "mlp.gate.weight",
+    "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
+    "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
+    "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
+    "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
 }
+# llama.cpp stacks the routed experts of a layer into one tensor each, [experts, out, in] once the
+# dimensions are reversed; split back into the family's per-expert checkpoint names.
+_GGUF_EXPERT_TENSORS = {"ffn_gate_exps.weight": "gate", "ffn_up_exps.weight": "up", "ffn_down_exps.weight": "down"}
+# llama.cpp's converter permutes q/k rows for its interleaved rotary kernel in the Llama family
+# (Mixtral included); its Qwen MoE architectures keep the rotate-half order of the checkpoint.
+_GGUF_UNPERMUTED_ROPE = frozenset({"qwen2moe", "qwen3moe"})
 
 
 def _gguf_fields(reader) -> dict:
@@ -133,20 +146,39 @@ def gguf_config(fields: dict) -> ModelConfig:
     architecture = architecture_of_gguf(arch)
     g = lambda k, d=None: fields.get(f"{arch}.{k}", d)  # noqa: E731
     heads = g("attention.head_count")
+    experts = int(g("expert_count", 0) or 0)
+    if experts and architecture == "LlamaForCausalLM":
+        architecture = "MixtralForCausalLM"  # llama.cpp files Mixtral under the llama architecture
     return ModelConfig(
         hidden_size=g("embedding_length"), num_hidden_layers=g("block_count"),
         num_attention_heads=heads, num_key_value_heads=g("attention.head_count_kv", heads),
+        head_dim=g("attention.key_length"),
         intermediate_size=g("feed_forward_length"),
         vocab_size=g("vocab_size") or len(fields["tokenizer.ggml.tokens"]),
         rms_norm_eps=float(g("attention.layer_norm_rms_epsilon", 1e-5)),
         rope_theta=float(g("rope.freq_base", 10000.0)),
         max_position_embeddings=int(g("context_length", 4096)),
         tie_word_embeddings=True,  # corrected below when output.weight exists
-        attention_bias=(architecture == "Qwen2ForCausalLM"),
+        attention_bias=architecture in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM"),
+        qk_norm=architecture.startswith("Qwen3"),
         bos_token_id=fields.get("tokenizer.ggml.bos_token_id"),
         eos_token_id=[fields["tokenizer.ggml.eos_token_id"]] if "tokenizer.ggml.eos_token_id" in fields else [],
         architecture=architecture,
+        num_experts=experts,
+        num_experts_per_tok=int(g("expert_used_count", 0) or 0),
+        moe_intermediate_size=int(g("expert_feed_forward_length", 0) or (g("feed_forward_length") if experts else 0)),
+        # llama.cpp renormalises the top-k weights for Mixtral and Qwen3-MoE, not for Qwen2-MoE.
+        norm_topk_prob=bool(g("expert_weights_norm", architecture != "Qwen2MoeForCausalLM")),
+        shared_expert_intermediate_size=int(g("expert_shared_feed_forward_length", 0) or 0),
     )
+
+
+def _split_experts(stacked: np.ndarray, layer: str, which: str, architecture: str) -> dict[str, np.ndarray]:
+    """One [experts, out, in] tensor -> the family's per-expert checkpoint names."""
+    family = model_class(architecture)
+    projection = {v: k for k, v in family.EXPERT_PROJECTIONS.items()}[which]
+    return {f"model.layers.{layer}.{family.MOE_MODULE}.experts.{e}.{projection}.weight": stacked[e]
+            for e in range(stacked.shape[0])}
 
 
 def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
@@ -157,24 +189,34 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     reader = gguf.GGUFReader(str(gguf_path))
     fields = _gguf_fields(reader)
     cfg = gguf_config(fields)
+    permuted_rope = fields.get("general.architecture") not in _GGUF_UNPERMUTED_ROPE
     tensors: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
         if t.name in _GGUF_NAMES:
             name = _GGUF_NAMES[t.name]
         else:
             _, layer, rest = t.name.split(".", 2)
+            if rest in _GGUF_EXPERT_TENSORS:
+                for ename, ew in _split_experts(_dequantize(t), layer, _GGUF_EXPERT_TENSORS[rest],
+                                                cfg.architecture).items():
+                    tensors[ename] = torch.from_numpy(np.ascontiguousarray(ew))
+                continue
             if rest not in _GGUF_LAYER_NAMES:
                 logger.warning("skipping unknown GGUF tensor %s", t.name)
                 continue
             name = f"model.layers.{layer}.{_GGUF_LAYER_NAMES[rest]}"
-        w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
-        w = w.reshape([int(d) for d in reversed(t.shape)])  # GGUF lists dims innermost first
-        if name.endswith(("q_proj.weight", "q_proj.bias")):
+        w = _dequantize(t)
+        if name.endswith("shared_expert_gate.weight"):
+            w = w.reshape(1, -1)  # llama.cpp keeps this [hidden] vector 1-D
+        elif permuted_rope and name.endswith(("q_proj.weight", "q_proj.bias")):
             w = _unpermute_rope(w, cfg.num_attention_heads)
-        elif name.endswith(("k_proj.weight", "k_proj.bias")):
+        elif permuted_rope and name.endswith(("k_proj.weight", "k_proj.bias")):
             w = _unpermute_rope(w, cfg.num_key_value_heads)
         tensors[name] = torch.from_numpy(np.ascontiguousarray(w))
     cfg.tie_word_embeddings = "lm_head.weight" not in tensors
+    if cfg.is_moe:  # GGUF has no key for dense layers among sparse ones: the tensors say which they are
+        cfg.mlp_only_layers = [i for i in range(cfg.num_hidden_layers)
+                               if f"model.layers.{i}.mlp.down_proj.weight" in tensors]
     # Each process converts into its own folder and renames it into place: two servers starting at
     # once on a fresh machine must not write into the same files.
     tmp = out_dir.with_name(f"{out_dir.name}.partial-{os.getpid()}")
@@ -188,6 +230,13 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
         tmp.rename(out_dir)
     except OSError:  # another process finished first: its copy is identical
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _dequantize(t) -> np.ndarray:
+    import gguf
+
+    w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
+    return w.reshape([int(d) for d in reversed(t.shape)])  # GGUF lists dims innermost first
 
 
 def _gguf_source(gguf_path: Path, model_id: str) -> ModelSource:

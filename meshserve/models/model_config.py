@@ -28,6 +28,7 @@ class ModelConfig:
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # Qwen2 has biases on q/k/v
+    qk_norm: bool = False  # Qwen3: an RMSNorm over each query and key head before the rotary embedding
     bos_token_id: int | None = None
     eos_token_id: list[int] = field(default_factory=list)
     architecture: str = "LlamaForCausalLM"
@@ -90,7 +91,8 @@ class ModelConfig:
         h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
         q = self.num_attention_heads * self.head_dim
         kv = self.num_key_value_heads * self.head_dim
-        attn = h * (q + 2 * kv) + q * h + (q + 2 * kv if self.attention_bias else 0)
+        attn = (h * (q + 2 * kv) + q * h + (q + 2 * kv if self.attention_bias else 0)
+                + (2 * self.head_dim if self.qk_norm else 0))
         dense = 3 * h * i
         moe = (self.num_experts * 3 * h * self.moe_intermediate_size + h * self.num_experts
                + 3 * h * self.shared_expert_intermediate_size
@@ -140,8 +142,9 @@ class ModelConfig:
             rope_scaling=scaling,
             max_position_embeddings=int(first("max_position_embeddings", default=4096)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", model_type.startswith("qwen2")
-                                        or arch.startswith("Qwen2"))),
+            attention_bias=bool(first("attention_bias", "qkv_bias",
+                                      default=model_type.startswith("qwen2") or arch.startswith("Qwen2"))),
+            qk_norm=model_type.startswith("qwen3") or arch.startswith("Qwen3"),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_id=cfg.get("eos_token_id") or [],
             architecture=arch,
@@ -168,9 +171,8 @@ class ModelConfig:
         return cls.from_hf_config(json.loads(Path(path).read_text()), name=str(path))
 
     def to_hf_config(self) -> dict:
-        """A config.json that `transformers` accepts for the same geometry (dense families)."""
-        model_type = self.model_type or {"Qwen2ForCausalLM": "qwen2",
-                                         "MistralForCausalLM": "mistral"}.get(self.architecture, "llama")
+        """A config.json that `transformers` accepts for the same geometry (dense and MoE families)."""
+        model_type = self.model_type or _MODEL_TYPES.get(self.architecture, "llama")
         out = {
             "architectures": [self.architecture], "model_type": model_type,
             "hidden_size": self.hidden_size, "num_hidden_layers": self.num_hidden_layers,
@@ -186,4 +188,25 @@ class ModelConfig:
         if model_type == "llama":
             out["attention_bias"] = self.attention_bias
             out["mlp_bias"] = False
+        if self.is_moe:
+            out.update(self._hf_moe_fields(model_type))
         return out
+
+    def _hf_moe_fields(self, model_type: str) -> dict:
+        if model_type == "mixtral":  # every layer sparse, experts as wide as intermediate_size
+            return {"num_local_experts": self.num_experts, "num_experts_per_tok": self.num_experts_per_tok,
+                    "intermediate_size": self.moe_intermediate_size}
+        out = {"num_experts": self.num_experts, "num_experts_per_tok": self.num_experts_per_tok,
+               "moe_intermediate_size": self.moe_intermediate_size, "norm_topk_prob": self.norm_topk_prob,
+               "decoder_sparse_step": self.decoder_sparse_step, "mlp_only_layers": list(self.mlp_only_layers)}
+        if model_type == "qwen2_moe":
+            out["shared_expert_intermediate_size"] = self.shared_expert_intermediate_size
+            out["qkv_bias"] = self.attention_bias
+        else:
+            out["attention_bias"] = self.attention_bias
+        return out
+
+
+# HF architecture -> config.json model_type, for configs written from a ModelConfig.
+_MODEL_TYPES = {"Qwen2ForCausalLM": "qwen2", "MistralForCausalLM": "mistral", "MixtralForCausalLM": "mixtral",
+                "Qwen2MoeForCausalLM": "qwen2_moe", "Qwen3MoeForCausalLM": "qwen3_moe"}

@@ -14,7 +14,7 @@ from typing import Callable
 _CLASSES: dict[str, type] = {}  # HF architecture name -> model class
 _GGUF: dict[str, str] = {}  # GGUF general.architecture -> HF architecture name
 # Modules of this package that define no model family.
-_NOT_MODELS = frozenset({"registry", "model_config", "loader", "sharding"})
+_NOT_MODELS = frozenset({"registry", "model_config", "loader", "sharding", "moe_decoder"})
 _discovered = False
 
 

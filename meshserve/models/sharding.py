@@ -9,6 +9,9 @@ TP shards query heads, KV heads, the MLP's intermediate size and the vocabulary 
 - the gate/up and down projections split the intermediate size (of the dense MLP, of each expert,
   of a shared expert), so TP must divide each of them too;
 - latent attention (MLA) keeps one latent per token on every rank, so KV heads do not restrict TP.
+With expert parallelism the MoE layers give each of the TP ranks E / TP whole experts instead of a
+slice of every expert (EP = TP: the same ranks), so TP must divide the number of routed experts and no
+longer the experts' intermediate size; a shared expert stays sliced.
 The vocabulary is padded to a multiple of TP, so it never restricts TP.
 PP splits the decoder layers into contiguous stages of at least one layer each.
 """
@@ -26,18 +29,21 @@ class ShardedDims:
     kv_heads: int
     mlp_sizes: tuple[int, ...]  # every MLP width a layer has: dense, routed expert, shared expert
     latent_kv: bool = False  # MLA: one latent per token, replicated on every TP rank
+    whole_experts: int = 0  # expert parallelism: routed experts, split whole across the ranks
 
     @classmethod
-    def of(cls, cfg: ModelConfig) -> "ShardedDims":
+    def of(cls, cfg: ModelConfig, expert_parallel: bool = False) -> "ShardedDims":
         layers = range(cfg.num_hidden_layers)
         sizes = set()
         if any(not cfg.is_moe_layer(i) for i in layers):
             sizes.add(cfg.intermediate_size)
+        ep = expert_parallel and cfg.num_moe_layers > 0
         if cfg.num_moe_layers:
-            sizes.add(cfg.moe_intermediate_size)
+            if not ep:
+                sizes.add(cfg.moe_intermediate_size)
             sizes.add(cfg.shared_expert_intermediate_size)
         return cls(cfg.num_attention_heads, cfg.num_key_value_heads, tuple(sorted(s for s in sizes if s)),
-                   cfg.is_mla)
+                   cfg.is_mla, cfg.num_experts if ep else 0)
 
 
 def tp_size_problem(dims: ShardedDims, tp: int) -> str | None:
@@ -50,6 +56,9 @@ def tp_size_problem(dims: ShardedDims, tp: int) -> str | None:
     for size in dims.mlp_sizes:
         if size % tp:
             return f"it does not divide the MLP intermediate size {size}"
+    if dims.whole_experts % tp:
+        return (f"with expert parallelism (EP = TP) each rank holds whole experts, and it does not divide "
+                f"the {dims.whole_experts} experts")
     return None
 
 
@@ -80,13 +89,18 @@ def resolve_pipeline_split(num_layers: int, pp: int, split: list[int] | None) ->
     return split
 
 
-def check_parallel_layout(cfg: ModelConfig, tp: int, pp: int, split: list[int] | None) -> list[int]:
+def check_parallel_layout(cfg: ModelConfig, tp: int, pp: int, split: list[int] | None,
+                          expert_parallel: bool = False) -> list[int]:
     """Raise ValueError naming the valid sizes when the layout does not fit the model; return the
     layers per pipeline stage."""
-    dims = ShardedDims.of(cfg)
+    if expert_parallel and not cfg.num_moe_layers:
+        raise ValueError(f"enable_expert_parallel needs a mixture-of-experts model, but {cfg.architecture} has "
+                         "no routed experts; drop --enable-expert-parallel")
+    dims = ShardedDims.of(cfg, expert_parallel)
     problem = tp_size_problem(dims, tp)
     if problem is not None:
         valid = ", ".join(map(str, valid_tp_sizes(dims)))
-        raise ValueError(f"tensor_parallel_size {tp} cannot shard this model: {problem}; "
-                         f"valid tensor_parallel_size values are {valid}")
+        with_ep = " with expert parallelism" if dims.whole_experts else ""
+        raise ValueError(f"tensor_parallel_size {tp} cannot shard this model{with_ep}: {problem}; "
+                         f"valid tensor_parallel_size values{with_ep} are {valid}")
     return resolve_pipeline_split(cfg.num_hidden_layers, pp, split)

@@ -32,6 +32,8 @@ MODELS: dict[str, ModelSpec] = {m.name: m for m in (
     ModelSpec("Mixtral-8x7B", 32, 4096, 32, 8, 128, 14336, 32000, max_context=32768,
               num_params=46.7e9, num_experts=8, experts_per_token=2, moe_intermediate_size=14336,
               hf_id="mistralai/Mixtral-8x7B-Instruct-v0.1"),
+    ModelSpec("Qwen3-30B-A3B", 48, 2048, 32, 4, 128, 6144, 151936, max_context=40960, num_params=30.53e9,
+              num_experts=128, experts_per_token=8, moe_intermediate_size=768, hf_id="Qwen/Qwen3-30B-A3B"),
     ModelSpec("DeepSeek-V3", 61, 7168, 128, 128, 192, 18432, 129280, max_context=163840,
               num_params=671e9, num_experts=256, experts_per_token=8, moe_intermediate_size=2048,
               num_shared_experts=1, first_dense_layers=3, kv_lora_rank=512, q_lora_rank=1536,

@@ -51,6 +51,12 @@ def register(subparsers) -> None:
       help="achievable fraction of peak FLOP/s (default 0.7, 1.0 when measured)")
     a("--bandwidth-efficiency", type=float, default=1.0,
       help="achievable fraction of memory bandwidth (default 1.0: a lower bound on time)")
+    a("--enable-expert-parallel", action=argparse.BooleanOptionalAction, default=None,
+      help="MoE models: only layouts with (or, with --no-..., without) expert parallelism "
+           "(EP = TP, the same GPUs); default: rank both")
+    a("--moe-load-max-to-mean", type=float,
+      help="busiest expert-parallel rank's load over the mean, as measured "
+           "(meshserve:moe_rank_load_max_to_mean); default: what uniform routing gives")
     a("--json", action="store_true", help="print the plan as JSON")
     a("--plot", metavar="FILE", help="write a PNG of memory and latency per layout")
     a("--calibrate", action="store_true",
@@ -120,7 +126,8 @@ def run(args: argparse.Namespace) -> int:
         kv_transfer_bandwidth_gbs=args.kv_transfer_bandwidth_gbs,
         kv_transfer_overhead_ms=args.kv_transfer_overhead_ms, slo_ttft_ms=args.slo_ttft_ms,
         slo_itl_ms=args.slo_itl_ms, request_rate=args.request_rate,
-        compute_efficiency=args.compute_efficiency, bandwidth_efficiency=args.bandwidth_efficiency))
+        compute_efficiency=args.compute_efficiency, bandwidth_efficiency=args.bandwidth_efficiency,
+        enable_expert_parallel=args.enable_expert_parallel, moe_load_max_to_mean=args.moe_load_max_to_mean))
     print(json.dumps(to_dict(result), indent=2) if args.json else format_report(result))
     if args.plot:
         write_plot(result, args.plot)

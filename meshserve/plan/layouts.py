@@ -1,4 +1,10 @@
-"""TP x PP x DP layouts of a GPU count, and the structural rules a layout must obey.
+"""TP x PP x DP layouts of a GPU count (with or without expert parallelism for an MoE model), and
+the structural rules a layout must obey.
+
+Expert parallelism adds no dimension to the GPU count: the MoE layers of a replica use the same TP
+ranks as its attention, split by expert instead of by width (EP = TP; vLLM's EP = TP x DP of one
+data-parallel group). A layout needs TP x PP x DP GPUs with or without EP; counting
+TP x PP x DP x EP would count the same GPUs twice.
 
 Rejected: what the engine refuses (`models/sharding.tp_size_problem`, the same rule: TP must divide
 the attention heads and every MLP width, and divide or be a multiple of the KV heads), and PP deeper
@@ -21,6 +27,12 @@ class Layout:
     tp: int
     pp: int
     dp: int
+    ep: bool = False  # MoE layers split whole experts over the TP ranks
+
+    @property
+    def ep_size(self) -> int:
+        """Ranks the experts of one MoE layer are split over: the TP ranks of a stage, or 1."""
+        return self.tp if self.ep else 1
 
     @property
     def gpus_per_replica(self) -> int:
@@ -28,11 +40,11 @@ class Layout:
 
     @property
     def name(self) -> str:
-        return f"TP{self.tp} PP{self.pp} DP{self.dp}"
+        return f"TP{self.tp} PP{self.pp} DP{self.dp}" + (f" EP{self.ep_size}" if self.ep else "")
 
     @property
     def num_gpus(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.pp * self.dp  # EP reuses the TP ranks: never a fourth factor
 
     def tp_spans_nodes(self, gpus_per_node: int) -> bool:
         return crosses_nodes(self.tp, self.num_gpus, gpus_per_node)
@@ -52,8 +64,11 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def enumerate_layouts(num_gpus: int, tp: int | None = None, pp: int | None = None) -> list[Layout]:
-    """Every TP x PP x DP = num_gpus, optionally pinned to a given TP and/or PP."""
+def enumerate_layouts(num_gpus: int, tp: int | None = None, pp: int | None = None, moe: bool = False,
+                      expert_parallel: bool | None = None) -> list[Layout]:
+    """Every TP x PP x DP = num_gpus, optionally pinned to a given TP and/or PP. For an MoE model
+    (`moe`) each layout with TP > 1 comes with and without EP, or only one way when
+    `expert_parallel` pins it."""
     if num_gpus < 1:
         raise ValueError(f"--num-gpus must be >= 1, got {num_gpus}")
     for flag, value in (("--tensor-parallel-size", tp), ("--pipeline-parallel-size", pp)):
@@ -62,16 +77,22 @@ def enumerate_layouts(num_gpus: int, tp: int | None = None, pp: int | None = Non
                              f"(valid: {', '.join(map(str, divisors(num_gpus)))})")
     if tp and pp and num_gpus % (tp * pp):
         raise ValueError(f"TP {tp} x PP {pp} = {tp * pp} does not divide --num-gpus {num_gpus}")
-    return [Layout(t, p, num_gpus // (t * p))
+    def ep_options(t: int) -> list[bool]:
+        if not moe or t == 1:
+            return [False]  # EP over one rank is no EP
+        return [e for e in (False, True) if expert_parallel in (None, e)]
+
+    return [Layout(t, p, num_gpus // (t * p), e)
             for t in divisors(num_gpus) if tp in (None, t)
-            for p in divisors(num_gpus // t) if pp in (None, p)]
+            for p in divisors(num_gpus // t) if pp in (None, p)
+            for e in ep_options(t)]
 
 
 def structural_check(spec: ModelSpec, layout: Layout, gpus_per_node: int) -> tuple[list[str], list[str]]:
     """(reasons to reject, flags) that follow from the geometry and the topology alone."""
     errors, flags = [], []
     tp, pp, kv = layout.tp, layout.pp, spec.num_kv_heads
-    problem = tp_size_problem(spec.sharded_dims, tp)
+    problem = tp_size_problem(spec.sharded_dims_for(layout.ep), tp)
     if problem is not None:
         errors.append(f"fractional sharding at TP={tp}: {problem}")
     elif spec.is_mla and tp > 1:

@@ -10,6 +10,9 @@ rank. Per rank:
     ceiling (seqs) = floor(budget / (KV bytes per token per rank x max_model_len))
 and the replica's ceiling is that of its fullest rank (the minimum over pipeline stages).
 Cache-block rounding, activation peaks beyond the reserve and quantization scales are ignored.
+MoE: every resident expert costs memory, active or not. Without expert parallelism each rank holds a
+1/TP slice of every expert; with it (EP = TP) E/TP whole experts. The bytes per rank are the same
+either way: EP changes what is computed where and what travels, not the memory.
 """
 from __future__ import annotations
 
@@ -68,6 +71,8 @@ class StageShard:
     head: float         # LM head (last stage): read and multiplied once per output token
     active: float       # per-token matmul parameters without the head (k of E experts)
     kv_entries: int     # cached elements per token on this rank, over the stage's layers
+    moe_layers: int = 0           # layers of the stage with routed experts
+    experts_active: float = 0.0   # the routed experts' share of `active`
 
 
 def shard_stages(spec: ModelSpec, counts: ParamCounts, tp: int, pp: int) -> list[StageShard]:
@@ -88,7 +93,8 @@ def shard_stages(spec: ModelSpec, counts: ParamCounts, tp: int, pp: int) -> list
         shards.append(StageShard(
             num_layers=n, stored=body + experts + embedding + head_stored + norm,
             dense_read=body + norm, experts=experts, head=head,
-            active=body + experts * expert_frac, kv_entries=n * kv_entries_per_layer(spec, tp)))
+            active=body + experts * expert_frac, kv_entries=n * kv_entries_per_layer(spec, tp),
+            moe_layers=sum(1 for l in layers if l.experts), experts_active=experts * expert_frac))
     return shards
 
 

@@ -41,6 +41,8 @@ class PlanConfig:
     request_rate: float | None = None
     compute_efficiency: float | None = None
     bandwidth_efficiency: float = 1.0
+    enable_expert_parallel: bool | None = None  # MoE: None ranks layouts with and without EP
+    moe_load_max_to_mean: float | None = None  # measured busiest EP rank's load; None: uniform routing
     notes: list[str] = field(default_factory=list)
 
     def validate(self) -> "PlanConfig":
@@ -84,8 +86,16 @@ class PlanConfig:
         if self.kv_transfer_overhead_ms < 0:
             raise ValueError(f"--kv-transfer-overhead-ms must be >= 0, got "
                              f"{self.kv_transfer_overhead_ms}")
-        enumerate_layouts(self.num_gpus, self.tensor_parallel_size, self.pipeline_parallel_size)
+        if self.moe_load_max_to_mean is not None and self.moe_load_max_to_mean < 1:
+            raise ValueError(f"--moe-load-max-to-mean must be >= 1 (1 = balanced), got {self.moe_load_max_to_mean}")
+        if self.enable_expert_parallel and not self.model.is_moe:
+            raise ValueError(f"--enable-expert-parallel needs a mixture-of-experts model; {self.model.name} is dense")
+        self.layouts()
         return self
+
+    def layouts(self) -> list[Layout]:
+        return enumerate_layouts(self.num_gpus, self.tensor_parallel_size, self.pipeline_parallel_size,
+                                 moe=self.model.is_moe, expert_parallel=self.enable_expert_parallel)
 
     @property
     def workload(self) -> Workload:
@@ -106,6 +116,7 @@ class LayoutPlan:
     flags: list[str]
     memory: MemoryEstimate | None = None
     decode_batch1_s: float | None = None
+    decode_batch1_parts: dict[str, float] = field(default_factory=dict)  # of the slowest stage, by kind
     prefill_s: float | None = None
     kv_handoff_s: float | None = None
     operating: OperatingPoint | None = None
@@ -152,15 +163,17 @@ class PlanResult:
 
 def make_perf_model(spec: ModelSpec, gpu: GPUSpec, tp: int, pp: int, *, weight_dtype: str,
                     kv_dtype: str, gpus_per_node: int, compute_efficiency: float,
-                    bandwidth_efficiency: float = 1.0, dp: int = 1) -> PerfModel:
-    layout = Layout(tp, pp, dp)
+                    bandwidth_efficiency: float = 1.0, dp: int = 1, ep: bool = False,
+                    moe_load_max_to_mean: float | None = None) -> PerfModel:
+    layout = Layout(tp, pp, dp, ep)
     return PerfModel(spec=spec, gpu=gpu, stages=tuple(shard_stages(spec, model_params(spec), tp, pp)),
                      tp=tp, weight_bytes=dtype_bytes(weight_dtype), kv_bytes=dtype_bytes(kv_dtype),
                      act_bytes=activation_bytes(weight_dtype),
                      flops=gpu.peak_flops(weight_dtype) * compute_efficiency,
                      bandwidth=gpu.hbm_bandwidth * bandwidth_efficiency,
                      links=links_for(gpu, layout.tp_spans_nodes(gpus_per_node),
-                                     layout.replica_spans_nodes(gpus_per_node)))
+                                     layout.replica_spans_nodes(gpus_per_node)),
+                     ep=layout.ep_size, moe_imbalance=moe_load_max_to_mean)
 
 
 def evaluate(cfg: PlanConfig, layout: Layout) -> LayoutPlan:
@@ -187,9 +200,12 @@ def evaluate(cfg: PlanConfig, layout: Layout) -> LayoutPlan:
     perf = make_perf_model(spec, gpu, layout.tp, layout.pp, weight_dtype=cfg.weight_dtype,
                            kv_dtype=cfg.kv_cache_dtype, gpus_per_node=cfg.gpus_per_node,
                            compute_efficiency=cfg.compute_efficiency,
-                           bandwidth_efficiency=cfg.bandwidth_efficiency, dp=layout.dp)
+                           bandwidth_efficiency=cfg.bandwidth_efficiency, dp=layout.dp, ep=layout.ep,
+                           moe_load_max_to_mean=cfg.moe_load_max_to_mean)
     work = cfg.workload
     plan.decode_batch1_s = perf.decode_step_time(1, work.prompt_len + work.output_len / 2)
+    plan.decode_batch1_parts = max((perf.decode_stage_parts(st, 1, work.prompt_len + work.output_len / 2)
+                                    for st in perf.stages), key=lambda parts: sum(parts.values()))
     plan.prefill_s = perf.prefill_time(work.prompt_len)
     transfer_bw = (cfg.kv_transfer_bandwidth_gbs * GB if cfg.kv_transfer_bandwidth_gbs
                    else gpu.inter_node_bandwidth * layout.gpus_per_replica)
@@ -235,7 +251,8 @@ def decide(plans: dict[Layout, LayoutPlan], num_gpus: int, gpus_per_node: int) -
 
 def plan(cfg: PlanConfig) -> PlanResult:
     cfg.validate()
-    plans = [evaluate(cfg, lay) for lay in enumerate_layouts(cfg.num_gpus)]
+    plans = [evaluate(cfg, lay) for lay in enumerate_layouts(cfg.num_gpus, moe=cfg.model.is_moe,
+                                                             expert_parallel=cfg.enable_expert_parallel)]
     valid = [p for p in plans if p.valid]
     valid.sort(key=lambda p: (-p.goodput_rps, -p.capacity_rps, p.operating.itl_s))
     for i, p in enumerate(valid, 1):

@@ -41,7 +41,8 @@ def header(result: PlanResult) -> list[str]:
     counts = model_params(m)
     wb = counts.total * dtype_bytes(c.weight_dtype)
     kv_tok = next((p.memory.kv_bytes_per_token for p in result.plans if p.memory), 0.0)
-    active = f", {_count(counts.active(m))} active" if m.is_moe else ""
+    active = (f", {_count(counts.active(m))} active ({m.experts_per_token} of {m.num_experts} experts per "
+              f"token)" if m.is_moe else "")
     slo = ", ".join(s for s in (f"TTFT <= {c.slo_ttft_ms:g} ms" if c.slo_ttft_ms else "",
                                 f"ITL <= {c.slo_itl_ms:g} ms" if c.slo_itl_ms else "") if s) or "none"
     rate = f"{c.request_rate:g} req/s" if c.request_rate else "not given (ranked by SLO capacity)"
@@ -57,7 +58,15 @@ def header(result: PlanResult) -> list[str]:
         f"Budget {c.gpu_memory_utilization:g} x memory - {c.runtime_reserve_gib:g} GiB reserve per GPU; "
         f"token mix {c.prompt_len:,} prompt + {c.output_len:,} output; SLO {slo}; rate {rate}",
         "Units  GB = 1e9 bytes, GiB = 2^30 bytes; bandwidths in decimal GB/s",
-    ]
+    ] + _moe_line(c)
+
+
+def _moe_line(c) -> list[str]:
+    if not c.model.is_moe:
+        return []
+    skew = f"{c.moe_load_max_to_mean:g} (measured)" if c.moe_load_max_to_mean else "from uniform routing"
+    return [f"MoE    EP layouts split whole experts over the TP ranks (EP = TP, the same GPUs: TP x PP x DP "
+            f"GPUs in all); all resident experts count in memory; busiest EP rank's load {skew}"]
 
 
 def format_report(result: PlanResult) -> str:
@@ -72,7 +81,9 @@ def format_report(result: PlanResult) -> str:
                          _num(m and m.kv_available_per_gpu_bytes / GiB),
                          _num(m and m.max_seqs, "{:,}"), _num(m and m.max_kv_tokens, "{:,}")])
         if op:
-            time_rows.append([p.layout.name, rank, _ms(p.decode_batch1_s), _ms(p.prefill_s),
+            a2a = p.decode_batch1_parts.get("all_to_all_dispatch", 0) + p.decode_batch1_parts.get("all_to_all_combine", 0)
+            moe_cols = [_ms(a2a)] if result.config.model.is_moe else []
+            time_rows.append([p.layout.name, rank, _ms(p.decode_batch1_s), *moe_cols, _ms(p.prefill_s),
                               _num(op.concurrency, "{:,.1f}"),
                               _num(op.pipeline_utilization * 100, "{:.0f}%"), _ms(op.itl_s),
                               _ms(op.ttft_s),
@@ -85,7 +96,8 @@ def format_report(result: PlanResult) -> str:
                        "KV tokens"], mem_rows))
     if time_rows:
         out += ["", "Time per replica at the operating point (the request rate, else the SLO capacity)"]
-        out.append(_table(["layout", "rank", "ITL b=1 ms", "prefill ms", "seqs", "PP util",
+        moe_head = ["of it a2a ms"] if result.config.model.is_moe else []
+        out.append(_table(["layout", "rank", "ITL b=1 ms", *moe_head, "prefill ms", "seqs", "PP util",
                            "ITL ms", "TTFT ms",
                            "tok/s/user", "tok/s/replica", "KV hand-off ms", "SLO cap req/s",
                            "goodput req/s", "limit"], time_rows))
@@ -121,10 +133,12 @@ def _layout_dict(p: LayoutPlan) -> dict:
     op = p.operating
     return {
         "name": p.layout.name, "tp": p.layout.tp, "pp": p.layout.pp, "dp": p.layout.dp,
+        "ep": p.layout.ep_size, "num_gpus": p.layout.num_gpus,
         "status": p.status, "rank": p.rank, "reasons": p.reasons, "flags": p.flags,
         "memory": asdict(p.memory) if p.memory else None,
         "time": None if not op else {
             "decode_step_batch1_ms": p.decode_batch1_s * 1e3, "prefill_ms": p.prefill_s * 1e3,
+            "decode_step_batch1_parts_ms": {k: v * 1e3 for k, v in p.decode_batch1_parts.items()},
             "kv_handoff_ms": p.kv_handoff_s * 1e3, "request_rate_per_replica": op.rate,
             "concurrency": op.concurrency, "pipeline_utilization": op.pipeline_utilization,
             "itl_ms": op.itl_s * 1e3, "ttft_ms": op.ttft_s * 1e3,

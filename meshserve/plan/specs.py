@@ -67,12 +67,19 @@ class ModelSpec:
     @property
     def sharded_dims(self) -> ShardedDims:
         """What TP splits, for the engine's own validity rule (models/sharding.py)."""
-        sizes = {self.moe_intermediate_size} if self.is_moe else set()
+        return self.sharded_dims_for(expert_parallel=False)
+
+    def sharded_dims_for(self, expert_parallel: bool) -> ShardedDims:
+        """With expert parallelism the routed experts are split whole (TP must divide their number)
+        instead of sliced (TP must divide their width); shared experts stay sliced."""
+        ep = expert_parallel and self.is_moe
+        sizes = {self.moe_intermediate_size} if self.is_moe and not ep else set()
         if not self.is_moe or self.first_dense_layers:
             sizes.add(self.intermediate_size)
         if self.num_shared_experts:
             sizes.add(self.moe_intermediate_size)
-        return ShardedDims(self.num_attention_heads, self.num_kv_heads, tuple(sorted(sizes)), self.is_mla)
+        return ShardedDims(self.num_attention_heads, self.num_kv_heads, tuple(sorted(sizes)), self.is_mla,
+                           self.num_experts if ep else 0)
 
     @property
     def kind(self) -> str:

@@ -21,6 +21,14 @@ behind, so the step takes sum(stage times) + (M - 1) x slowest (+ sends), which 
 the stages are busy M / (M + P - 1) of it. Memory-bound steps pick M = 1 (splitting re-reads the weights); compute-bound ones split.
 Engines that overlap successive steps (vLLM's virtual engines) can do better at large batches.
 MoE routing: b tokens choosing k of E experts uniformly touch E(1 - (1 - k/E)^b) experts.
+Expert parallelism (EP = TP ranks per stage, experts split whole): in each MoE layer a rank routes
+its b/N tokens and sends one row of `hidden` activations per (token, expert) pair whose expert lives
+elsewhere, b k (N-1) / N^2 rows; the combine sends them back and all-gathers the N slices (an
+all-reduce when the model has shared experts). All-to-all = (N-1) alpha + bytes out / beta; the
+dispatch also all-gathers the E routing counts. The experts' compute and the bytes a rank receives
+follow the busiest rank: its load is `max-to-mean` x the mean, by default the expected maximum of
+N ranks under uniform routing (mean + sd x the expected max of N standard normals), or the measured
+meshserve:moe_rank_load_max_to_mean when given. Without EP the experts are TP-sliced and balanced.
 """
 from __future__ import annotations
 
@@ -28,6 +36,7 @@ import math
 from collections import Counter
 from dataclasses import dataclass
 from functools import cached_property
+from statistics import NormalDist
 
 from .memory import StageShard
 from .specs import GPUSpec, ModelSpec
@@ -38,6 +47,31 @@ def ring_allreduce_time(nbytes: float, ranks: int, latency_s: float, bandwidth: 
     if ranks <= 1:
         return 0.0
     return 2 * (ranks - 1) * latency_s + 2 * (ranks - 1) * nbytes / (ranks * bandwidth)
+
+
+def ring_allgather_time(nbytes: float, ranks: int, latency_s: float, bandwidth: float) -> float:
+    """(N-1) alpha + (N-1) S / (N beta) for S bytes gathered in all; zero for one rank."""
+    if ranks <= 1:
+        return 0.0
+    return (ranks - 1) * latency_s + (ranks - 1) * nbytes / (ranks * bandwidth)
+
+
+def all_to_all_time(bytes_out: float, ranks: int, latency_s: float, bandwidth: float) -> float:
+    """Pairwise exchange: N-1 rounds, `bytes_out` leaving the rank over all of them."""
+    if ranks <= 1:
+        return 0.0
+    return (ranks - 1) * latency_s + bytes_out / bandwidth
+
+
+def expected_max_to_mean(assignments: float, ranks: int) -> float:
+    """Busiest rank over the mean when `assignments` token-expert pairs land uniformly on `ranks`
+    (Poisson-like counts; Blom's approximation of the expected maximum of N normals); at least
+    ceil(mean) / mean (whole assignments), at most N (all on one rank)."""
+    if ranks <= 1 or assignments <= 0:
+        return 1.0
+    mean = assignments / ranks
+    z = NormalDist().inv_cdf((ranks - 0.375) / (ranks + 0.25))
+    return min(float(ranks), max(math.ceil(mean) / mean, 1.0 + z / math.sqrt(mean)))
 
 
 def p2p_time(nbytes: float, latency_s: float, bandwidth: float) -> float:
@@ -59,10 +93,15 @@ def decode_tokens_per_s_bound(weight_bytes_per_rank: float, hbm_bandwidth: float
     return hbm_bandwidth / weight_bytes_per_rank
 
 
-def experts_touched_fraction(spec: ModelSpec, tokens: float) -> float:
+def experts_touched_fraction(spec: ModelSpec, tokens: float, ranks: int = 1, imbalance: float = 1.0) -> float:
+    """Fraction of a rank's experts that some token uses. With expert parallelism over `ranks`, that
+    of the busiest rank: `imbalance` x its fair share of the b k assignments over its E/N experts."""
     if not spec.is_moe:
         return 1.0
-    return 1.0 - (1.0 - spec.experts_per_token / spec.num_experts) ** max(tokens, 1.0)
+    if ranks <= 1:
+        return 1.0 - (1.0 - spec.experts_per_token / spec.num_experts) ** max(tokens, 1.0)
+    assignments = max(tokens, 1.0) * spec.experts_per_token * imbalance / ranks
+    return 1.0 - (1.0 - ranks / spec.num_experts) ** assignments
 
 
 @dataclass(frozen=True)
@@ -97,6 +136,8 @@ class PerfModel:
     flops: float            # achievable FLOP/s per rank
     bandwidth: float        # achievable bytes/s per rank
     links: Links
+    ep: int = 1             # expert-parallel ranks (= TP when on)
+    moe_imbalance: float | None = None  # measured busiest-rank max-to-mean; None: uniform routing
 
     @property
     def pp(self) -> int:
@@ -125,7 +166,29 @@ class PerfModel:
         size = tokens * self.spec.hidden_size * self.act_bytes
         per = ring_allreduce_time(size, self.tp, self.links.allreduce_latency_s,
                                   self.links.allreduce_bandwidth)
-        return 2 * stage.num_layers * per
+        moe_by_ep = stage.moe_layers if self.ep > 1 else 0  # their MLP reduction is the combine
+        return (2 * stage.num_layers - moe_by_ep) * per
+
+    def rank_imbalance(self, tokens: float) -> float:
+        """Busiest expert-parallel rank's load over the mean (1 without EP: slices are balanced)."""
+        if self.ep <= 1 or not self.spec.is_moe:
+            return 1.0
+        if self.moe_imbalance is not None:
+            return self.moe_imbalance
+        return expected_max_to_mean(max(tokens, 1.0) * self.spec.experts_per_token, self.ep)
+
+    def _expert_exchange(self, stage: StageShard, tokens: float) -> tuple[float, float]:
+        """(dispatch, combine) seconds of the stage's MoE layers with expert parallelism."""
+        n, s = self.ep, self.spec
+        if n <= 1 or not stage.moe_layers:
+            return 0.0, 0.0
+        lat, bw = self.links.allreduce_latency_s, self.links.allreduce_bandwidth
+        row = s.hidden_size * self.act_bytes
+        rows_out = tokens / n * s.experts_per_token * (n - 1) / n
+        exchange = all_to_all_time(self.rank_imbalance(tokens) * rows_out * row, n, lat, bw)
+        counts = ring_allgather_time(n * s.num_experts * 8, n, lat, bw)  # int64 per expert and rank
+        gather = (ring_allreduce_time if s.num_shared_experts else ring_allgather_time)(tokens * row, n, lat, bw)
+        return stage.moe_layers * (counts + exchange), stage.moe_layers * (exchange + gather)
 
     def _send(self, tokens: float) -> float:
         """One stage-to-stage send of `tokens` activations."""
@@ -136,17 +199,25 @@ class PerfModel:
                 kv_tokens: float) -> float:
         """Linear-layer phase + attention phase, each a roofline, for `tokens` new tokens
         attending over `pairs` query-key pairs, `kv_tokens` cache entries moved."""
-        touched = experts_touched_fraction(self.spec, tokens)
+        skew = self.rank_imbalance(tokens)
+        touched = experts_touched_fraction(self.spec, tokens, self.ep, skew)
         weight_bytes = (stage.dense_read + stage.head + stage.experts * touched) * self.weight_bytes
-        linear_flops = 2 * tokens * stage.active + 2 * head_tokens * stage.head
+        linear_flops = (2 * tokens * (stage.active + (skew - 1) * stage.experts_active)
+                        + 2 * head_tokens * stage.head)
         kv_bytes = kv_tokens * stage.kv_entries * self.kv_bytes
         attn_flops = pairs * self._attn_flops_per_ctx_token(stage)
         return (max(weight_bytes / self.bandwidth, linear_flops / self.flops)
                 + max(kv_bytes / self.bandwidth, attn_flops / self.flops))
 
+    def decode_stage_parts(self, stage: StageShard, batch: float, context: float) -> dict[str, float]:
+        """A decode step of one stage by kind, as the engine's per-rank timing splits it."""
+        dispatch, combine = self._expert_exchange(stage, batch)
+        return {"compute": self._phases(stage, batch, batch * context, batch, batch * context),
+                "all_reduce": self._allreduces(stage, batch),
+                "all_to_all_dispatch": dispatch, "all_to_all_combine": combine}
+
     def decode_stage_time(self, stage: StageShard, batch: float, context: float) -> float:
-        return (self._phases(stage, batch, batch * context, batch, batch * context)
-                + self._allreduces(stage, batch))
+        return sum(self.decode_stage_parts(stage, batch, context).values())
 
     def decode_step(self, batch: float, context: float) -> tuple[float, int]:
         """(inter-token latency, micro-batches) with `batch` sequences on the replica."""
@@ -168,7 +239,7 @@ class PerfModel:
     def prefill_stage_time(self, stage: StageShard, tokens: int) -> float:
         # Logits only for the last token; the new cache is written once.
         return (self._phases(stage, tokens, tokens * (tokens + 1) / 2, 1, tokens)
-                + self._allreduces(stage, tokens))
+                + self._allreduces(stage, tokens) + sum(self._expert_exchange(stage, tokens)))
 
     def prefill_time(self, tokens: int) -> float:
         """Latency of one prompt: one micro-batch through all stages, (1 + P - 1) stage times."""

@@ -15,6 +15,7 @@ import meshserve
 from meshserve.api.errors import APIError, bad_request, error_body
 from meshserve.api.protocol import DetokenizeRequest, TokenizeRequest
 from meshserve.api.sse import ClientDisconnected, JSONBytesResponse
+from meshserve.distributed.expert_load import summarize
 from meshserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from meshserve.server.serving import ServingContext, parse, read_json
 from meshserve.server.serving_chat import create_chat_completion
@@ -135,6 +136,11 @@ def build_app(ctx: ServingContext, metrics: ServerMetrics, engine_config: dict) 
     @app.get("/metrics")
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/moe/expert_load")
+    async def expert_load() -> Response:
+        # The whole layer x expert matrix with per-rank loads and max-to-mean ratios.
+        return JSONBytesResponse(summarize(ctx.client.expert_load()))
 
     @app.get("/server_info")
     async def server_info() -> Response:

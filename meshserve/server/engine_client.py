@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Sequence
 
+from meshserve.distributed.expert_load import merge_snapshots
 from meshserve.distributed.placement import ReplicaPlacement, available_cores, place
 from meshserve.engine.messages import AddRequest, RequestDelta
 from meshserve.engine.routing import LeastLoad, ReplicaLoad, RouteRequest, RoutingPolicy
@@ -441,6 +442,10 @@ class EngineClient:
         """Per-rank step timing of the first live engine (rank labels of several replicas would collide)."""
         live = [r for r in self._replicas if r.alive]
         return live[0].stats.get("parallel_timing") if live else None
+
+    def expert_load(self) -> dict:
+        """Tokens routed per MoE layer and expert, added over the engines ({} for a dense model)."""
+        return merge_snapshots([r.stats.get("expert_load") or {} for r in self._replicas if r.alive])
 
     def stats(self) -> dict:
         """Engine stats summed over the live engines (KV usage averaged)."""

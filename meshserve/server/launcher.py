@@ -12,7 +12,7 @@ from typing import Any, Callable, Sequence
 from meshserve.distributed.placement import place_for_device
 from meshserve.server.engine_client import EngineClient, SupervisorPolicy
 from meshserve.server.engine_core import build_llm_engine, config_dict
-from meshserve.server.metrics import ServerMetrics, register_parallel_metrics
+from meshserve.server.metrics import ServerMetrics, register_moe_metrics, register_parallel_metrics
 from meshserve.server.server_config import ServerConfig
 
 logger = logging.getLogger("meshserve.server")
@@ -33,6 +33,7 @@ def run_server(engine_config: Any, config: ServerConfig,
                                                   window_s=config.engine_restart_window))
     metrics = ServerMetrics(client.stats)
     register_parallel_metrics(metrics.registry, client.parallel_timing)
+    register_moe_metrics(metrics.registry, client.expert_load)
     client.listener = metrics
     info = client.start()
     # For /server_info: the configuration as the engine process holds it (the resolved context

@@ -11,7 +11,8 @@ from typing import Callable
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from meshserve.distributed.timing import COMM_KINDS
+from meshserve.distributed.expert_load import summarize
+from meshserve.distributed.timing import comm_kinds_in
 
 PREFIX = "meshserve:"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -103,9 +104,10 @@ class _ParallelTimingCollector:
                                     labels=["rank"])
         comm = GaugeMetricFamily(p + "step_communication_seconds",
                                  "Communication time of the last step, per rank and kind.", labels=["rank", "kind"])
+        kinds = comm_kinds_in(t["comm"] for t in snap.get("total", {}).values())
         for rank, t in snap.get("last", {}).items():
             compute.add_metric([str(rank)], t["compute"])
-            for kind in COMM_KINDS:
+            for kind in kinds:
                 comm.add_metric([str(rank), kind], t["comm"].get(kind, 0.0))
         compute_total = CounterMetricFamily(p + "compute_seconds", "Compute time since start, per rank.",
                                             labels=["rank"])
@@ -113,7 +115,7 @@ class _ParallelTimingCollector:
                                          "Communication time since start, per rank and kind.", labels=["rank", "kind"])
         for rank, t in snap.get("total", {}).items():
             compute_total.add_metric([str(rank)], t["compute"])
-            for kind in COMM_KINDS:
+            for kind in kinds:
                 comm_total.add_metric([str(rank), kind], t["comm"].get(kind, 0.0))
         steps = CounterMetricFamily(p + "engine_steps", "Model steps executed.", value=float(snap.get("steps", 0)))
         yield from (compute, comm, compute_total, comm_total, steps)
@@ -130,3 +132,42 @@ def register_parallel_metrics(registry, read_snapshot: Callable[[], dict | None]
     rate(communication) / (rate(compute) + rate(communication)) is the share of time in communication.
     """
     registry.register(_ParallelTimingCollector(read_snapshot, prefix))
+
+
+class _ExpertLoadCollector:
+    """Routing skew of an MoE model. Labels are bounded by the model, not the traffic: `expert`
+    (E values) and `rank` (EP values); the per-layer matrix (layers x E, thousands of series for a
+    large MoE) is left to GET /moe/expert_load rather than to every scrape."""
+
+    def __init__(self, read_snapshot: Callable[[], dict | None], prefix: str) -> None:
+        self._read, self._prefix = read_snapshot, prefix
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        s = summarize(self._read() or {})
+        if not s["moe"]:
+            return
+        p = self._prefix
+        expert = CounterMetricFamily(p + "moe_expert_tokens", "Tokens routed to each expert, summed over the MoE "
+                                     "layers (a token counts once for each of its k experts).", labels=["expert"])
+        for e, n in enumerate(s["expert_tokens"]):
+            expert.add_metric([str(e)], n)
+        rank = CounterMetricFamily(p + "moe_rank_tokens", "Tokens handled by each expert-parallel rank's experts, "
+                                   "summed over the MoE layers.", labels=["rank"])
+        for r, n in enumerate(s["rank_tokens"]):
+            rank.add_metric([str(r)], n)
+        yield expert
+        yield rank
+        yield GaugeMetricFamily(p + "moe_rank_load_max_to_mean", "Busiest expert-parallel rank's load over the mean, "
+                                "summed over MoE layers since start (1 = balanced; the expert phase runs this much "
+                                "slower than a balanced one).", value=s["rank_max_to_mean"])
+        yield GaugeMetricFamily(p + "moe_expert_load_max_to_mean", "Hottest expert's load over the mean expert load, "
+                                "summed over MoE layers since start (1 = balanced).", value=s["expert_max_to_mean"])
+
+
+def register_moe_metrics(registry, read_snapshot: Callable[[], dict | None], prefix: str = PREFIX) -> None:
+    """Add the MoE routing series (nothing for a dense model). `read_snapshot` returns the engine
+    stats' "expert_load" (ExpertLoadStats.snapshot(), merged over replicas) at scrape time."""
+    registry.register(_ExpertLoadCollector(read_snapshot, prefix))

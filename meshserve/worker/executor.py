@@ -14,6 +14,11 @@ import sys
 from pathlib import Path
 
 from meshserve.config import EngineConfig
+from meshserve.distributed.expert_load import (
+    ExpertLoadStats,
+    format_expert_load_table,
+    format_expert_matrix_csv,
+)
 from meshserve.distributed.timing import RankTiming, TimingStats, mean_timing
 from meshserve.engine.step import StepInput, StepResult
 from meshserve.layers.sampler import SamplerOutput
@@ -35,6 +40,11 @@ class Executor:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.timing = TimingStats()
+        self.infos: list[dict] = []  # per rank, from Worker.info
+        self.expert_load: ExpertLoadStats | None = None  # set for an MoE model (set_moe)
+
+    def set_moe(self, num_experts: int, ep_size: int) -> None:
+        self.expert_load = ExpertLoadStats(num_experts, ep_size)
 
     def num_kv_blocks(self) -> int: ...
     def init_kv_cache(self, num_blocks: int) -> None: ...
@@ -54,16 +64,28 @@ class Executor:
             return
         table = self.timing.table(self.config.tensor_parallel_size)
         print(f"where the step time went:\n{table}", file=sys.stderr)
+        load = self.expert_load_snapshot()
+        if load:
+            print(f"tokens routed to the experts:\n{format_expert_load_table(load)}", file=sys.stderr)
         if self.config.profile_dir:
-            out = Path(self.config.profile_dir) / "step_timing.txt"
-            out.parent.mkdir(parents=True, exist_ok=True)
-            out.write_text(table + "\n")
+            out = Path(self.config.profile_dir)
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "step_timing.txt").write_text(table + "\n")
+            if load:
+                (out / "expert_load.txt").write_text(format_expert_load_table(load) + "\n")
+                (out / "expert_load.csv").write_text(format_expert_matrix_csv(load))
 
     def timing_snapshot(self) -> dict:
         return self.timing.snapshot()
 
-    def _result(self, sampled: SamplerOutput | None, timings: list[RankTiming]) -> StepResult:
+    def expert_load_snapshot(self) -> dict:
+        return self.expert_load.snapshot() if self.expert_load is not None else {}
+
+    def _result(self, sampled: SamplerOutput | None, timings: list[RankTiming],
+                expert_counts: list[dict[int, list[int]]]) -> StepResult:
         self.timing.record(timings)
+        if self.expert_load is not None:
+            self.expert_load.record(expert_counts)
         compute, comm = mean_timing(timings)
         return StepResult(sampled, compute, comm, timings)
 
@@ -73,6 +95,7 @@ class UniProcExecutor(Executor):
         super().__init__(config)
         self.worker = Worker(config, source, max_model_len)
         self.runner = self.worker.runner
+        self.infos = [self.worker.info]
 
     def num_kv_blocks(self) -> int:
         return self.runner.num_kv_blocks()
@@ -84,8 +107,8 @@ class UniProcExecutor(Executor):
         return self.runner.block_bytes
 
     def execute(self, step: StepInput) -> StepResult:
-        sampled, timing = self.worker.execute(step)
-        return self._result(sampled, [timing])
+        sampled, timing, expert_counts = self.worker.execute(step)
+        return self._result(sampled, [timing], [expert_counts])
 
     def check_health(self) -> None:
         pass
@@ -128,7 +151,8 @@ class DistributedExecutor(Executor):
 
     def execute(self, step: StepInput) -> StepResult:
         replies = self._call_all("execute", self._step_arg(step))
-        return self._result(replies[self.sampling_rank][0], [timing for _, timing in replies])
+        return self._result(replies[self.sampling_rank][0], [timing for _, timing, _ in replies],
+                            [counts for _, _, counts in replies])
 
     def check_health(self) -> None:
         if self._failure is not None:

@@ -2,6 +2,7 @@
 runs the forward pass and (on the last pipeline stage's first TP rank) samples."""
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import torch
@@ -12,6 +13,7 @@ from meshserve.engine.step import StepInput
 from meshserve.layers import cpu_kernels
 from meshserve.layers.attention import AttentionMetadata, PrefillSeq
 from meshserve.layers.cpu_gemm import prepack_model
+from meshserve.layers.moe import SparseMoeBlock
 from meshserve.layers.rotary import RotaryEmbedding
 from meshserve.layers.sampler import Sampler, SamplerOutput
 from meshserve.models.loader import ModelSource
@@ -21,12 +23,24 @@ logger = logging.getLogger(__name__)
 
 
 def _init_dummy_(model: torch.nn.Module, seed: int) -> None:
-    g = torch.Generator().manual_seed(seed)
+    g = None
     for name, p in model.named_parameters():
+        if g is None:
+            g = torch.Generator(p.device).manual_seed(seed)
         if name.endswith("norm.weight") or "layernorm" in name:
             p.data.fill_(1.0)
         else:
-            p.data.copy_(torch.randn(p.shape, generator=g) * 0.02)
+            p.data.copy_(torch.randn(p.shape, generator=g, device=p.device, dtype=p.dtype) * 0.02)
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype):
+    saved = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(saved)
 
 
 class ModelRunner:
@@ -39,10 +53,14 @@ class ModelRunner:
         self.max_model_len = max_model_len
         cfg = source.config
         torch.manual_seed(config.seed)
-        model = model_class(cfg.architecture)(cfg, config.pipeline_split)
         if config.load_format == "dummy":
+            # Built on the device in its dtype: a big geometry (an MoE's experts) must not first
+            # materialise in float32 host memory.
+            with torch.device(self.device), _default_dtype(self.dtype):
+                model = model_class(cfg.architecture)(cfg, config.pipeline_split)
             _init_dummy_(model, config.seed + self.ps.rank)
         else:
+            model = model_class(cfg.architecture)(cfg, config.pipeline_split)
             model.load_weights(source.iter_weights())
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
         for m in self.model.modules():
@@ -55,6 +73,23 @@ class ModelRunner:
         attn = next(iter(self.model.layers.values())).self_attn
         self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
         self.kv_caches: list[torch.Tensor] = []
+        # MoE routing counts: every rank of a stage sees the same global counts, its first TP rank reports them.
+        self.expert_load = getattr(self.model, "expert_load", None) if self.ps.tp_rank == 0 else None
+
+    def take_expert_counts(self) -> dict[int, list[int]]:
+        """Tokens routed to each expert of this stage's MoE layers since the last call ({} if none)."""
+        return self.expert_load.take() if self.expert_load is not None else {}
+
+    @property
+    def expert_info(self) -> dict:
+        """Where this rank's experts are: how many it holds and their bytes ({} for a dense model)."""
+        blocks = [m.experts for m in self.model.modules() if isinstance(m, SparseMoeBlock)]
+        if not blocks:
+            return {}
+        nbytes = sum(p.numel() * p.element_size() for b in blocks for p in b.parameters())
+        first = blocks[0]
+        return {"moe_layers": len(blocks), "local_experts": first.num_local, "first_expert": first.first_expert,
+                "expert_bytes": nbytes}
 
     # ---- KV cache ----------------------------------------------------------------------
     @property
@@ -86,6 +121,7 @@ class ModelRunner:
             out = self.model(ids, torch.arange(n, device=self.device), dummy_cache, meta, hidden=h)
             if self.ps.is_last_stage:
                 self.model.compute_logits(out[-1:])
+        self.take_expert_counts()  # the profiling pass is not traffic
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
         total = torch.cuda.get_device_properties(self.device).total_memory

@@ -49,7 +49,7 @@ class Worker:
             set_parallel_state(self.ps)
         else:
             self.ps = init_distributed(rank, config.tensor_parallel_size, config.pipeline_parallel_size, store,
-                                       device, COLLECTIVE_TIMEOUT_S)
+                                       device, COLLECTIVE_TIMEOUT_S, config.enable_expert_parallel)
         self.rank = rank
         self.config = config
         self.runner = ModelRunner(config, source, max_model_len)
@@ -63,7 +63,8 @@ class Worker:
     @property
     def info(self) -> dict:
         return {"rank": self.rank, "pid": os.getpid(), "block_bytes": self.runner.block_bytes,
-                "num_kv_heads": self.runner.num_kv_heads, "layers": list(self.runner.model.layer_range)}
+                "num_kv_heads": self.runner.num_kv_heads, "layers": list(self.runner.model.layer_range),
+                "experts": self.runner.expert_info}
 
     def num_kv_blocks(self) -> int:
         return self.runner.num_kv_blocks()
@@ -79,7 +80,8 @@ class Worker:
 
     @torch.inference_mode()
     def execute(self, step: StepInput):
-        """Run one step through this rank's stage. Returns (sampled tokens or None, timing)."""
+        """Run one step through this rank's stage. Returns (sampled tokens or None, timing, tokens
+        routed to each expert of this stage's MoE layers: {layer: counts}, from one rank per stage)."""
         t0 = time.perf_counter()
         ps, runner = self.ps, self.runner
         with torch.profiler.record_function("meshserve_step"):
@@ -104,7 +106,8 @@ class Worker:
             if ps.device.type == "cuda":
                 torch.cuda.synchronize(ps.device)
         comm = ps.comm_timer.take()
-        return sampled, RankTiming(self.rank, time.perf_counter() - t0 - sum(comm.values()), comm)
+        timing = RankTiming(self.rank, time.perf_counter() - t0 - sum(comm.values()), comm)
+        return sampled, timing, runner.take_expert_counts()
 
     def close(self) -> None:
         if self._profiler is not None:
