@@ -2,8 +2,12 @@
 
 A replica has TP x PP ranks; rank = pp_rank * tp_size + tp_rank. With a world of one process nothing
 here touches torch.distributed, so the single-device path has no communication at all.
-Every collective adds its wall time to `comm_timer`, which the runner reports as the step's
-communication share (the time in cross-device reduction).
+Every collective adds its time to `comm_timer`, which the runner reports as the step's
+communication share (the time in cross-device reduction). On CPU that is the call's wall time. On
+CUDA the calls return before the transfer has run, and synchronizing around each one (four host
+syncs per layer under TP) would stall the queue: a pair of CUDA events on the compute stream
+brackets each collective instead, and the events are read at the end of the step, after the
+step's one sync.
 """
 from __future__ import annotations
 
@@ -14,16 +18,58 @@ import torch
 import torch.distributed as dist
 
 
-@dataclass
 class CommTimer:
-    seconds: dict[str, float] = field(default_factory=dict)
+    """Communication seconds by kind since the last `take()`."""
+
+    def __init__(self, device: torch.device | None = None) -> None:
+        self.device = device or torch.device("cpu")
+        self.seconds: dict[str, float] = {}
+        self._pending: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []  # CUDA: read at take()
+        self._spare_events: list[torch.cuda.Event] = []
 
     def add(self, kind: str, dt: float) -> None:
         self.seconds[kind] = self.seconds.get(kind, 0.0) + dt
 
+    def timed(self, kind: str) -> "_Timed":
+        """`with timer.timed(kind): collective()` adds the collective's time to `kind`."""
+        return _Timed(self, kind)
+
+    def _event(self) -> torch.cuda.Event:
+        return self._spare_events.pop() if self._spare_events else torch.cuda.Event(enable_timing=True)
+
     def take(self) -> dict[str, float]:
+        """The totals, and a fresh start. On CUDA call it once the step's work has finished."""
+        for kind, start, end in self._pending:
+            end.synchronize()  # already complete after the step's sync: returns at once
+            self.add(kind, start.elapsed_time(end) / 1e3)
+            self._spare_events += [start, end]
+        self._pending = []
         out, self.seconds = self.seconds, {}
         return out
+
+
+class _Timed:
+    __slots__ = ("timer", "kind", "t0", "start")
+
+    def __init__(self, timer: CommTimer, kind: str) -> None:
+        self.timer, self.kind, self.start = timer, kind, None
+
+    def __enter__(self) -> None:
+        timer = self.timer
+        if timer.device.type != "cuda":
+            self.t0 = time.perf_counter()
+        elif not torch.cuda.is_current_stream_capturing():  # a graph cannot record timing events
+            self.start = timer._event()
+            self.start.record()
+
+    def __exit__(self, *exc) -> None:
+        timer = self.timer
+        if timer.device.type != "cuda":
+            timer.add(self.kind, time.perf_counter() - self.t0)
+        elif self.start is not None:
+            end = timer._event()
+            end.record()
+            timer._pending.append((self.kind, self.start, end))
 
 
 @dataclass
@@ -35,6 +81,9 @@ class ParallelState:
     tp_group: object = None  # torch.distributed ProcessGroup of this rank's TP peers
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     comm_timer: CommTimer = field(default_factory=CommTimer)
+
+    def __post_init__(self) -> None:
+        self.comm_timer.device = self.device
 
     @property
     def world_size(self) -> int:
@@ -52,60 +101,44 @@ class ParallelState:
     def is_last_stage(self) -> bool:
         return self.pp_rank == self.pp_size - 1
 
-    def _sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
             return x
-        self._sync()
-        t0 = time.perf_counter()
-        dist.all_reduce(x, group=self.tp_group)
-        self._sync()
-        self.comm_timer.add("all_reduce", time.perf_counter() - t0)
+        with self.comm_timer.timed("all_reduce"):
+            dist.all_reduce(x, group=self.tp_group)
         return x
 
     def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
         """Concatenate each TP rank's slice of the last dimension (vocab-parallel logits)."""
         if self.tp_size == 1:
             return x
-        self._sync()
-        t0 = time.perf_counter()
         parts = [torch.empty_like(x) for _ in range(self.tp_size)]
-        dist.all_gather(parts, x.contiguous(), group=self.tp_group)
-        self._sync()
-        self.comm_timer.add("all_gather", time.perf_counter() - t0)
+        with self.comm_timer.timed("all_gather"):
+            dist.all_gather(parts, x.contiguous(), group=self.tp_group)
         return torch.cat(parts, dim=-1)
 
     def send(self, x: torch.Tensor, dst: int) -> None:
-        self._sync()
-        t0 = time.perf_counter()
-        dist.send(x.contiguous(), dst)
-        self.comm_timer.add("send_recv", time.perf_counter() - t0)
+        with self.comm_timer.timed("send_recv"):
+            dist.send(x.contiguous(), dst)
 
     def isend(self, x: torch.Tensor, dst: int):
         """Start sending and return the work handle; the caller keeps `x` alive until it completes,
         so a pipeline stage computes its next micro-batch while this one is in flight."""
-        self._sync()
-        t0 = time.perf_counter()
-        work = dist.isend(x, dst)
-        self.comm_timer.add("send_recv", time.perf_counter() - t0)
-        return work
+        with self.comm_timer.timed("send_recv"):
+            return dist.isend(x, dst)
 
     def wait(self, works) -> None:
-        t0 = time.perf_counter()
-        for w in works:
-            w.wait()
-        if works:
-            self.comm_timer.add("send_recv", time.perf_counter() - t0)
+        """Wait for sends to finish (on CUDA: make the compute stream wait for them)."""
+        if not works:
+            return
+        with self.comm_timer.timed("send_recv"):
+            for w in works:
+                w.wait()
 
     def recv(self, shape, dtype, src: int) -> torch.Tensor:
         x = torch.empty(shape, dtype=dtype, device=self.device)
-        t0 = time.perf_counter()
-        dist.recv(x, src)
-        self._sync()
-        self.comm_timer.add("send_recv", time.perf_counter() - t0)
+        with self.comm_timer.timed("send_recv"):
+            dist.recv(x, src)
         return x
 
 
