@@ -42,3 +42,13 @@ def test_device_defaults(monkeypatch):
     monkeypatch.setattr(config, "_cuda_bf16_supported", lambda device: False)  # before Ampere
     assert cfg.resolved_dtype() == torch.float16
     assert EngineConfig(dtype="float32").resolved_dtype() == torch.float32
+
+
+def test_enforce_eager_flag_reaches_the_engine_config():
+    from meshserve.cli import build_parser
+    from meshserve.config import EngineConfig
+
+    parser = build_parser()
+    for argv in (["serve"], ["generate", "--prompt", "x"]):
+        assert EngineConfig.from_cli_args(parser.parse_args(argv)).enforce_eager is False
+        assert EngineConfig.from_cli_args(parser.parse_args(argv + ["--enforce-eager"])).enforce_eager is True

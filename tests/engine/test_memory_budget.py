@@ -89,3 +89,15 @@ def test_the_profile_steps_run_through_forward_and_sampling(tmp_path, use_triton
     assert all(len(top) == MAX_LOGPROBS for _, top in largest_decode.logprobs)
     assert runner.sampler.seq_generators == {}
     assert all(torch.isfinite(c).all() for c in runner._dummy_kv_cache())
+
+
+@pytest.mark.parametrize("engine_args", [{}, {"enable_chunked_prefill": False}, {"max_num_batched_tokens": 96}])
+def test_the_profile_uses_the_token_budget_the_scheduler_gets(tmp_path, engine_args):
+    from tiny_model import write_tiny_config
+
+    from meshserve import LLM
+
+    llm = LLM(str(write_tiny_config(tmp_path)), load_format="dummy", device="cpu", max_model_len=200,
+              kv_cache_memory_bytes=1 << 20, **engine_args)
+    assert llm.engine.max_num_batched_tokens == llm.engine.config.batched_token_budget(200)
+    llm.engine.shutdown()
