@@ -30,7 +30,7 @@ class CommTimer:
     def add(self, kind: str, dt: float) -> None:
         self.seconds[kind] = self.seconds.get(kind, 0.0) + dt
 
-    def timed(self, kind: str) -> "_Timed":
+    def timed(self, kind: str) -> _Timed:
         """`with timer.timed(kind): collective()` adds the collective's time to `kind`."""
         return _Timed(self, kind)
 
@@ -49,7 +49,7 @@ class CommTimer:
 
 
 class _Timed:
-    __slots__ = ("timer", "kind", "t0", "start")
+    __slots__ = ("kind", "start", "t0", "timer")
 
     def __init__(self, timer: CommTimer, kind: str) -> None:
         self.timer, self.kind, self.start = timer, kind, None

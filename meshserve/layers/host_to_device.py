@@ -8,8 +8,8 @@ plain `torch.tensor` calls, as before.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from itertools import chain
-from typing import Sequence
 
 import torch
 

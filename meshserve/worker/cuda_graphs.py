@@ -18,8 +18,9 @@ tested on CPU with a stand-in for the capture.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
-from typing import Callable, Protocol
+from typing import Protocol
 
 import torch
 

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from meshserve.distributed.parallel_state import CommTimer
-from meshserve.layers import host_to_device, sampler as sampler_module
+from meshserve.layers import host_to_device
+from meshserve.layers import sampler as sampler_module
 from meshserve.layers.sampler import Sampler
 from meshserve.sampling_params import SamplingParams
 
