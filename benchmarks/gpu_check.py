@@ -8,8 +8,9 @@
    reference, reported as agreement over the first N tokens of each prompt.
 2. Llama-3.1-8B geometry with dummy bf16 weights (a config.json written here, load_format="dummy"):
    - the start-up memory breakdown (weights, activation peak, non-torch memory, reserve, KV cache);
-   - batch-1 decode time per token against the HBM floor: weight bytes / measured device copy
-     bandwidth (bytes read + written per second), the time just to stream the weights once;
+   - batch-1 decode time per token against the HBM floor: the bytes of weights a decode step reads
+     (all but the input embedding) / measured device copy bandwidth (bytes read + written per
+     second), the time just to stream the weights once;
    - batch-64 decode throughput (128-token prompts);
    - prefill tokens/s and a full-load run: max_num_seqs sequences filled to max_model_len at the
      profiled KV budget, which must finish without running out of memory.
@@ -157,8 +158,12 @@ def write_config(directory: Path, geometry: dict) -> Path:
     return path
 
 
-def weight_bytes(llm: LLM) -> int:
-    return sum(p.numel() * p.element_size() for p in llm.engine.executor.runner.model.parameters())
+def decode_weight_bytes(llm: LLM) -> int:
+    """Bytes of weights a decode step reads: all of them but the input embedding, of which it
+    reads one row per sequence (the LM head, a separate matrix, is read whole)."""
+    model = llm.engine.executor.runner.model
+    return sum(p.numel() * p.element_size() for name, p in model.named_parameters()
+               if not name.startswith("embed_tokens."))
 
 
 def check_8b(device: str, geometry: dict, enforce_eager: bool, max_model_len: int, max_num_seqs: int,
@@ -176,7 +181,7 @@ def check_8b(device: str, geometry: dict, enforce_eager: bool, max_model_len: in
     runner = llm.engine.executor.runner
     out["memory_breakdown"] = runner.kv_budget.describe() if runner.kv_budget else "n/a (explicit KV budget)"
     out["cuda_graph_sizes"] = runner.graph_sizes
-    out["weight_bytes"] = weight_bytes(llm)
+    out["weight_bytes"] = decode_weight_bytes(llm)
     out["copy_bandwidth_bytes_per_s"] = bandwidth
     floor = out["weight_bytes"] / bandwidth
     print(f"started in {out['startup_s']:.1f} s; {out['memory_breakdown']}")
