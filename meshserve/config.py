@@ -40,6 +40,7 @@ class EngineConfig:
     distributed_executor_backend: str = "mp"
     profile: bool = False  # print where the step time went (compute vs communication) at shutdown
     profile_dir: str | None = None  # torch.profiler traces of the workers go here when set
+    enforce_eager: bool = False  # CUDA: no CUDA graphs for decode steps (every step runs eagerly)
     extra: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -78,10 +79,23 @@ class EngineConfig:
         return torch.device(self.device)
 
     def resolved_dtype(self):
+        return self.dtype_choice()[0]
+
+    def dtype_choice(self):
+        """(torch dtype, why): the dtype asked for, or what `auto` picks on this device."""
         import torch
-        if self.dtype == "auto":  # bf16 on GPUs, fp32 on CPUs (CPU bf16 matmuls are slow without AMX)
-            return torch.bfloat16 if self.resolved_device().type == "cuda" else torch.float32
-        return getattr(torch, self.dtype)
+        if self.dtype != "auto":
+            return getattr(torch, self.dtype), "set by dtype"
+        device = self.resolved_device()
+        name, why = auto_dtype(device.type, device.type == "cuda" and _cuda_bf16_supported(device))
+        return getattr(torch, name), why
+
+    def batched_token_budget(self, max_model_len: int) -> int:
+        """Tokens one step may compute: max_num_batched_tokens, or 2048 (with chunked prefill) /
+        enough for a whole prompt of max_model_len (without)."""
+        if self.max_num_batched_tokens is not None:
+            return self.max_num_batched_tokens
+        return 2048 if self.enable_chunked_prefill else max(2048, max_model_len)
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -97,7 +111,9 @@ class EngineConfig:
                                 "directory, or a config.json with --load-format dummy")
         g = p.add_argument_group("engine")
         g.add_argument("--tokenizer", default=None, help="HF tokenizer directory, if not the model's own")
-        g.add_argument("--dtype", default="auto", help="auto (bf16 on GPU, float32 on CPU), float32, bfloat16, float16")
+        g.add_argument("--dtype", default="auto",
+                       help="auto (bf16 on GPUs that support it, else float16; float32 on CPU), float32, bfloat16, "
+                            "float16")
         g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
         g.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
         g.add_argument("--seed", type=int, default=0)
@@ -122,11 +138,28 @@ class EngineConfig:
                        help="at shutdown, print per-rank compute vs communication time (all-reduce, send/recv)")
         g.add_argument("--profile-dir", default=None,
                        help="also write a torch.profiler trace per worker and the summary table here")
+        g.add_argument("--enforce-eager", action="store_true",
+                       help="CUDA: run every step eagerly instead of replaying CUDA graphs for decode steps")
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "EngineConfig":
         names = {f.name for f in fields(cls)} - {"extra"}
         return cls(**{k: v for k, v in vars(args).items() if k in names})
+
+
+def auto_dtype(device_type: str, bf16_supported: bool) -> tuple[str, str]:
+    """What dtype='auto' means on a device, and why."""
+    if device_type != "cuda":
+        return "float32", "auto on CPU: bf16 matmuls are slow there without AMX"
+    if bf16_supported:
+        return "bfloat16", "auto on a GPU with native bf16: fp32's range at half the bytes"
+    return "float16", "auto on a GPU without native bf16 (before Ampere): float16"
+
+
+def _cuda_bf16_supported(device) -> bool:
+    import torch
+    with torch.cuda.device(device):  # emulated bf16 (pre-Ampere) runs far slower than float16
+        return torch.cuda.is_bf16_supported(including_emulation=False)
 
 
 def _cuda_available() -> bool:

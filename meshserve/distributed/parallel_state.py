@@ -2,8 +2,12 @@
 
 A replica has TP x PP ranks; rank = pp_rank * tp_size + tp_rank. With a world of one process nothing
 here touches torch.distributed, so the single-device path has no communication at all.
-Every collective adds its wall time to `comm_timer`, which the runner reports as the step's
-communication share (the time in cross-device reduction).
+Every collective adds its time to `comm_timer`, which the runner reports as the step's
+communication share (the time in cross-device reduction). On CPU that is the call's wall time. On
+CUDA the calls return before the transfer has run, and synchronizing around each one (four host
+syncs per layer under TP) would stall the queue: a pair of CUDA events on the compute stream
+brackets each collective instead, and the events are read at the end of the step, after the
+step's one sync.
 """
 from __future__ import annotations
 
@@ -14,16 +18,58 @@ import torch
 import torch.distributed as dist
 
 
-@dataclass
 class CommTimer:
-    seconds: dict[str, float] = field(default_factory=dict)
+    """Communication seconds by kind since the last `take()`."""
+
+    def __init__(self, device: torch.device | None = None) -> None:
+        self.device = device or torch.device("cpu")
+        self.seconds: dict[str, float] = {}
+        self._pending: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []  # CUDA: read at take()
+        self._spare_events: list[torch.cuda.Event] = []
 
     def add(self, kind: str, dt: float) -> None:
         self.seconds[kind] = self.seconds.get(kind, 0.0) + dt
 
+    def timed(self, kind: str) -> _Timed:
+        """`with timer.timed(kind): collective()` adds the collective's time to `kind`."""
+        return _Timed(self, kind)
+
+    def _event(self) -> torch.cuda.Event:
+        return self._spare_events.pop() if self._spare_events else torch.cuda.Event(enable_timing=True)
+
     def take(self) -> dict[str, float]:
+        """The totals, and a fresh start. On CUDA call it once the step's work has finished."""
+        for kind, start, end in self._pending:
+            end.synchronize()  # already complete after the step's sync: returns at once
+            self.add(kind, start.elapsed_time(end) / 1e3)
+            self._spare_events += [start, end]
+        self._pending = []
         out, self.seconds = self.seconds, {}
         return out
+
+
+class _Timed:
+    __slots__ = ("kind", "start", "t0", "timer")
+
+    def __init__(self, timer: CommTimer, kind: str) -> None:
+        self.timer, self.kind, self.start = timer, kind, None
+
+    def __enter__(self) -> None:
+        timer = self.timer
+        if timer.device.type != "cuda":
+            self.t0 = time.perf_counter()
+        elif not torch.cuda.is_current_stream_capturing():  # a graph cannot record timing events
+            self.start = timer._event()
+            self.start.record()
+
+    def __exit__(self, *exc) -> None:
+        timer = self.timer
+        if timer.device.type != "cuda":
+            timer.add(self.kind, time.perf_counter() - self.t0)
+        elif self.start is not None:
+            end = timer._event()
+            end.record()
+            timer._pending.append((self.kind, self.start, end))
 
 
 @dataclass
@@ -39,6 +85,9 @@ class ParallelState:
     # the same processes, never extra ones); 1 when it is off.
     ep_size: int = 1
     ep_rank: int = 0
+
+    def __post_init__(self) -> None:
+        self.comm_timer.device = self.device
 
     @property
     def world_size(self) -> int:
@@ -56,51 +105,35 @@ class ParallelState:
     def is_last_stage(self) -> bool:
         return self.pp_rank == self.pp_size - 1
 
-    def _sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-
     def all_reduce(self, x: torch.Tensor, kind: str = "all_reduce") -> torch.Tensor:
         if self.tp_size == 1:
             return x
-        self._sync()
-        t0 = time.perf_counter()
-        dist.all_reduce(x, group=self.tp_group)
-        self._sync()
-        self.comm_timer.add(kind, time.perf_counter() - t0)
+        with self.comm_timer.timed(kind):
+            dist.all_reduce(x, group=self.tp_group)
         return x
 
     def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
         """Concatenate each TP rank's slice of the last dimension (vocab-parallel logits)."""
         if self.tp_size == 1:
             return x
-        self._sync()
-        t0 = time.perf_counter()
         parts = [torch.empty_like(x) for _ in range(self.tp_size)]
-        dist.all_gather(parts, x.contiguous(), group=self.tp_group)
-        self._sync()
-        self.comm_timer.add("all_gather", time.perf_counter() - t0)
+        with self.comm_timer.timed("all_gather"):
+            dist.all_gather(parts, x.contiguous(), group=self.tp_group)
         return torch.cat(parts, dim=-1)
 
     def all_to_all(self, x: torch.Tensor, send_rows: list[int], recv_rows: list[int], kind: str) -> torch.Tensor:
         """Rows of `x` to the EP ranks (send_rows[r] consecutive rows to rank r); returns the rows
         received, in rank order. `kind` names the phase in the step timing (dispatch or combine)."""
-        self._sync()
-        t0 = time.perf_counter()
         out = x.new_empty((sum(recv_rows), *x.shape[1:]))
-        _all_to_all_rows(out, x.contiguous(), recv_rows, send_rows, self.tp_group, self._ep_peers())
-        self._sync()
-        self.comm_timer.add(kind, time.perf_counter() - t0)
+        with self.comm_timer.timed(kind):
+            _all_to_all_rows(out, x.contiguous(), recv_rows, send_rows, self.tp_group, self._ep_peers())
         return out
 
     def all_gather_stacked(self, x: torch.Tensor, kind: str = "all_gather") -> torch.Tensor:
         """[EP, *x.shape]: every EP rank's `x` (same shape on all ranks)."""
-        self._sync()
-        t0 = time.perf_counter()
         parts = [torch.empty_like(x) for _ in range(self.ep_size)]
-        dist.all_gather(parts, x.contiguous(), group=self.tp_group)
-        self._sync()
-        self.comm_timer.add(kind, time.perf_counter() - t0)
+        with self.comm_timer.timed(kind):
+            dist.all_gather(parts, x.contiguous(), group=self.tp_group)
         return torch.stack(parts)
 
     def _ep_peers(self) -> list[int]:
@@ -109,33 +142,27 @@ class ParallelState:
         return list(range(first, first + self.ep_size))
 
     def send(self, x: torch.Tensor, dst: int) -> None:
-        self._sync()
-        t0 = time.perf_counter()
-        dist.send(x.contiguous(), dst)
-        self.comm_timer.add("send_recv", time.perf_counter() - t0)
+        with self.comm_timer.timed("send_recv"):
+            dist.send(x.contiguous(), dst)
 
     def isend(self, x: torch.Tensor, dst: int):
         """Start sending and return the work handle; the caller keeps `x` alive until it completes,
         so a pipeline stage computes its next micro-batch while this one is in flight."""
-        self._sync()
-        t0 = time.perf_counter()
-        work = dist.isend(x, dst)
-        self.comm_timer.add("send_recv", time.perf_counter() - t0)
-        return work
+        with self.comm_timer.timed("send_recv"):
+            return dist.isend(x, dst)
 
     def wait(self, works) -> None:
-        t0 = time.perf_counter()
-        for w in works:
-            w.wait()
-        if works:
-            self.comm_timer.add("send_recv", time.perf_counter() - t0)
+        """Wait for sends to finish (on CUDA: make the compute stream wait for them)."""
+        if not works:
+            return
+        with self.comm_timer.timed("send_recv"):
+            for w in works:
+                w.wait()
 
     def recv(self, shape, dtype, src: int) -> torch.Tensor:
         x = torch.empty(shape, dtype=dtype, device=self.device)
-        t0 = time.perf_counter()
-        dist.recv(x, src)
-        self._sync()
-        self.comm_timer.add("send_recv", time.perf_counter() - t0)
+        with self.comm_timer.timed("send_recv"):
+            dist.recv(x, src)
         return x
 
 

@@ -5,6 +5,11 @@ first, then decodes (query length 1). `AttentionMetadata` says where each new to
 (`slot_mapping`) and which cache blocks each sequence reads, so the model code knows nothing about
 batching. Per layer, all new K/V are written before any sequence attends: a sequence that shares a
 prefix block computed in the same step therefore reads it fully written.
+
+Two implementations read the cache. On CPU (and on CUDA without Triton) the PyTorch path below,
+with the C++ decode kernel for float32. On CUDA the Triton kernels (`triton_attention.py`, imported
+only then): one launch for all prefills and one for all decodes, each reading K/V in place through
+the block tables; the runner asks for it with `use_triton` and fills `prefill_launch`.
 """
 from __future__ import annotations
 
@@ -32,6 +37,19 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor | None = None  # [B, max_blocks]
     decode_mask: torch.Tensor | None = None  # [B, 1, 1, max_blocks * block_size] True = attend
     decode_context_lens: torch.Tensor | None = None  # [B] tokens each decode attends to, its own included
+    use_triton: bool = False  # the Triton kernels (decode_mask and PrefillSeq.block_table unused then)
+    prefill_launch: PrefillLaunch | None = None  # with use_triton, when the step has prefills
+    decode_splits: int = 1  # with use_triton: key ranges per decode sequence (paged_launch.decode_splits)
+
+
+@dataclass
+class PrefillLaunch:
+    """Every prefill of a step as one Triton launch (see triton_attention.prefill_attention)."""
+    query_start: torch.Tensor  # [S + 1] first row of each prefill in q, then the end
+    context_lens: torch.Tensor  # [S] cached + new tokens of each
+    block_tables: torch.Tensor  # [S, max_blocks]
+    tile_seq: torch.Tensor  # [programs] prefill of each program
+    tile_start: torch.Tensor  # [programs] its first query offset
 
 
 class PagedAttention:
@@ -44,6 +62,8 @@ class PagedAttention:
         kvh, d = self.num_kv_heads, self.head_dim
         k_cache.view(-1, kvh, d).index_copy_(0, meta.slot_mapping, k)
         v_cache.view(-1, kvh, d).index_copy_(0, meta.slot_mapping, v)
+        if meta.use_triton:
+            return self._triton(q, k_cache, v_cache, meta)
         out = torch.empty_like(q)
         for group in _fresh_runs(meta.prefills):
             a, b = group[0].q_start, group[-1].q_end
@@ -54,6 +74,20 @@ class PagedAttention:
         if meta.decode_block_tables is not None:
             n = meta.num_prefill_tokens
             out[n:] = self._decode(q[n:], k_cache, v_cache, meta)
+        return out
+
+    def _triton(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+        from meshserve.layers import triton_attention
+
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        n, scale = meta.num_prefill_tokens, self.head_dim ** -0.5
+        if meta.prefill_launch is not None:
+            p = meta.prefill_launch
+            triton_attention.prefill_attention(q, k_cache, v_cache, out, p.query_start, p.context_lens,
+                                               p.block_tables, p.tile_seq, p.tile_start, scale)
+        if meta.decode_block_tables is not None:
+            triton_attention.decode_attention(q[n:], k_cache, v_cache, out[n:], meta.decode_context_lens,
+                                              meta.decode_block_tables, scale, meta.decode_splits)
         return out
 
     def _prefill_fresh(self, q, k, v, n: int) -> torch.Tensor:

@@ -3,6 +3,10 @@
 Rows with a seed draw their noise from their own generator, so a seeded request samples the same
 tokens whatever else shares its batch; other rows share the engine's generator.
 Sampling uses the exponential race: argmax(p_i / e_i) with e_i ~ Exp(1) draws i with probability p_i.
+
+On a GPU a step must not wait on the device before its tokens are read: decisions are taken from
+the request parameters on the host, per-row parameters and penalty indices travel in one copy
+each (host_to_device), and tokens and logprobs come back in one read.
 """
 from __future__ import annotations
 
@@ -10,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from meshserve.layers.host_to_device import arrays_to_device, to_device
 from meshserve.sampling_params import SamplingParams
 
 
@@ -25,9 +30,9 @@ def _penalize(logits: torch.Tensor, params: list[SamplingParams], counts: torch.
     """`counts[r, t]`: how often row r generated token t; `seen[r, t]`: t is in its prompt or output.
     Rows without penalties (repetition 1, frequency and presence 0) come out unchanged."""
     dev = logits.device
-    rep = torch.tensor([p.repetition_penalty for p in params], device=dev).unsqueeze(1)
-    freq = torch.tensor([p.frequency_penalty for p in params], device=dev).unsqueeze(1)
-    pres = torch.tensor([p.presence_penalty for p in params], device=dev).unsqueeze(1)
+    penalties = to_device([[p.repetition_penalty, p.frequency_penalty, p.presence_penalty] for p in params],
+                          torch.float32, dev)
+    rep, freq, pres = (penalties[:, i:i + 1] for i in range(3))
     # Repetition penalty (CTRL): seen tokens' positive logits shrink, negative ones grow.
     penalized = torch.where(logits > 0, logits / rep, logits * rep)
     logits = torch.where(seen, penalized, logits)
@@ -44,14 +49,22 @@ class PenaltyState:
         self.counts: dict[int, torch.Tensor] = {}
         self.seen: dict[int, torch.Tensor] = {}
 
-    def load(self, seq_id: int, vocab: int, prompt: list[int], output: list[int]) -> None:
-        dev = self.device
-        counts = torch.zeros(vocab, device=dev)
-        if output:
-            counts.index_add_(0, torch.tensor(output, device=dev), torch.ones(len(output), device=dev))
-        seen = torch.zeros(vocab, dtype=torch.bool, device=dev)
-        seen[torch.tensor(prompt + output, dtype=torch.long, device=dev)] = True
-        self.counts[seq_id], self.seen[seq_id] = counts, seen
+    def load(self, histories: dict[int, tuple[list[int], list[int]]], vocab: int) -> None:
+        """(Re)build the state of these sequences from (prompt, output) ids, in one host-to-device copy."""
+        rows, out_ids, seen_rows, seen_ids = [], [], [], []
+        for r, (prompt, output) in enumerate(histories.values()):
+            rows += [r] * len(output)
+            out_ids += output
+            seen_rows += [r] * (len(prompt) + len(output))
+            seen_ids += prompt + output
+        rows_t, out_t, seen_rows_t, seen_t = arrays_to_device([rows, out_ids, seen_rows, seen_ids], torch.long,
+                                                              self.device)
+        counts = torch.zeros(len(histories), vocab, device=self.device)
+        counts.index_put_((rows_t, out_t), torch.ones(len(out_ids), device=self.device), accumulate=True)
+        seen = torch.zeros(len(histories), vocab, dtype=torch.bool, device=self.device)
+        seen[seen_rows_t, seen_t] = True
+        for r, sid in enumerate(histories):
+            self.counts[sid], self.seen[sid] = counts[r], seen[r]
 
     def batch(self, seq_ids: list[int], vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
         counts = torch.zeros(len(seq_ids), vocab, device=self.device)
@@ -105,52 +118,60 @@ class Sampler:
         b, v = logits.shape
         want_lp = [p.logprobs for p in params]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(n is not None for n in want_lp) else None
-        penalized = [sid for sid, p in zip(seq_ids, params) if p.has_penalties]
+        penalized = any(p.has_penalties for p in params)
         if penalized:
-            for sid, history in zip(seq_ids, histories or [None] * b):
-                if history is not None:
-                    self.penalties.load(sid, v, *history)
+            new = {sid: h for sid, h in zip(seq_ids, histories or [None] * b) if h is not None}
+            if new:
+                self.penalties.load(new, v)
             logits = _penalize(logits, params, *self.penalties.batch(seq_ids, v))
-        greedy_rows = torch.tensor([p.greedy for p in params], device=self.device)
         tokens = logits.argmax(dim=-1)
-        if not bool(greedy_rows.all()):
-            temp = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=self.device)
-            probs = self._filtered_probs(logits / temp.unsqueeze(1), params)
+        if not all(p.greedy for p in params):  # decided on the host: no device sync
+            top_k = [p.top_k if p.top_k > 0 else v for p in params]
+            # Per row: temperature, greedy, top_k, top_p, min_p (one copy for the whole batch).
+            rows = to_device([[1.0 if p.greedy else p.temperature, float(p.greedy), k, p.top_p, p.min_p]
+                              for p, k in zip(params, top_k)], torch.float32, self.device)
+            filtered = not (all(k >= v for k in top_k) and all(p.top_p >= 1.0 for p in params)
+                            and all(p.min_p <= 0 for p in params))
+            probs = self._filtered_probs(logits / rows[:, 0:1], rows, filtered)
             sampled = (probs / self._noise(b, v, seq_ids, params, seed_keys)).argmax(dim=-1)
-            tokens = torch.where(greedy_rows, tokens, sampled)
-        token_list = tokens.tolist()
+            tokens = torch.where(rows[:, 1] > 0, tokens, sampled)
+        if raw_logprobs is None:
+            out = SamplerOutput(tokens.tolist(), [None] * b)  # the step's one device-to-host read
+        else:
+            out = self._with_logprobs(raw_logprobs, tokens, want_lp)
         if penalized:
-            self.penalties.add_sampled(seq_ids, token_list)
-        return SamplerOutput(token_list, self._logprobs(raw_logprobs, token_list, want_lp))
+            self.penalties.add_sampled(seq_ids, out.token_ids)
+        return out
 
-    def _filtered_probs(self, logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-        v = logits.shape[1]
-        top_k = [p.top_k if p.top_k > 0 else v for p in params]
-        if all(k >= v for k in top_k) and all(p.top_p >= 1.0 for p in params) and all(p.min_p <= 0 for p in params):
+    def _filtered_probs(self, logits: torch.Tensor, rows: torch.Tensor, filtered: bool) -> torch.Tensor:
+        """`rows`: the per-row parameters __call__ built; columns 2-4 are top_k, top_p, min_p."""
+        if not filtered:
             return torch.softmax(logits, dim=-1)
-        dev = self.device
+        v = logits.shape[1]
         sorted_logits, order = logits.sort(dim=-1, descending=True)
-        ranks = torch.arange(v, device=dev).unsqueeze(0)
-        sorted_logits = sorted_logits.masked_fill(ranks >= torch.tensor(top_k, device=dev).unsqueeze(1), float("-inf"))
+        ranks = torch.arange(v, device=self.device).unsqueeze(0)
+        sorted_logits = sorted_logits.masked_fill(ranks >= rows[:, 2:3], float("-inf"))
         probs = torch.softmax(sorted_logits, dim=-1)
-        top_p = torch.tensor([p.top_p for p in params], device=dev).unsqueeze(1)
         # Drop a token when the more likely ones already cover top_p; the first token always stays.
-        drop = (probs.cumsum(dim=-1) - probs) > top_p
-        min_p = torch.tensor([p.min_p for p in params], device=dev).unsqueeze(1)
-        drop |= probs < min_p * probs[:, :1]
+        drop = (probs.cumsum(dim=-1) - probs) > rows[:, 3:4]
+        drop |= probs < rows[:, 4:5] * probs[:, :1]
         drop[:, 0] = False
         probs = probs.masked_fill(drop, 0.0)
         return torch.zeros_like(probs).scatter_(1, order, probs / probs.sum(dim=-1, keepdim=True))
 
     @staticmethod
-    def _logprobs(raw: torch.Tensor | None, tokens: list[int], want: list[int | None]):
-        if raw is None:
-            return [None] * len(tokens)
+    def _with_logprobs(raw: torch.Tensor, tokens: torch.Tensor, want: list[int | None]) -> SamplerOutput:
         k = max(n for n in want if n is not None)
         top_vals, top_ids = (raw.topk(k, dim=-1) if k > 0 else (raw[:, :0], raw[:, :0].long()))
-        chosen = raw.gather(1, torch.tensor(tokens, device=raw.device).unsqueeze(1)).squeeze(1).tolist()
-        top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
+        chosen = raw.gather(1, tokens.unsqueeze(1))
+        # Tokens, their logprobs and the top k in one float64 table (exact for ids and float32 values):
+        # one device-to-host read.
+        table = torch.cat([tokens.unsqueeze(1).double(), chosen.double(), top_vals.double(), top_ids.double()],
+                          dim=1).tolist()
         out = []
-        for r, n in enumerate(want):
-            out.append(None if n is None else (chosen[r], list(zip(top_ids[r][:n], top_vals[r][:n]))))
-        return out
+        for row, n in zip(table, want):
+            if n is None:
+                out.append(None)
+            else:
+                out.append((row[1], [(int(i), lp) for i, lp in zip(row[2 + k:2 + k + n], row[2:2 + n])]))
+        return SamplerOutput([int(row[0]) for row in table], out)

@@ -1,9 +1,13 @@
 """ModelRunner: owns one rank's model shard and KV cache; turns a step's sequences into tensors,
-runs the forward pass and (on the last pipeline stage's first TP rank) samples."""
+runs the forward pass and (on the last pipeline stage's first TP rank) samples.
+
+On CUDA it also sizes the KV cache from a profile of the worst steps (memory_budget.py), uses the
+Triton attention kernels, and replays decode steps from CUDA graphs (cuda_graphs.py)."""
 from __future__ import annotations
 
-import contextlib
+import importlib.util
 import logging
+import time
 
 import torch
 
@@ -11,36 +15,51 @@ from meshserve.config import CPU_DEFAULT_KV_BYTES, EngineConfig
 from meshserve.distributed.parallel_state import get_parallel_state
 from meshserve.engine.step import StepInput
 from meshserve.layers import cpu_kernels
-from meshserve.layers.attention import AttentionMetadata, PrefillSeq
 from meshserve.layers.cpu_gemm import prepack_model
+from meshserve.layers.host_to_device import to_device
 from meshserve.layers.moe import SparseMoeBlock
-from meshserve.layers.rotary import RotaryEmbedding
 from meshserve.layers.sampler import Sampler, SamplerOutput
 from meshserve.models.loader import ModelSource
 from meshserve.models.registry import model_class
+from meshserve.worker.cuda_graphs import DecodeGraphInputs, DecodeGraphs, capture_sizes, graphs_disabled_reason
+from meshserve.worker.memory_budget import (
+    DeviceMemoryProfile,
+    KVCacheBudget,
+    decode_step,
+    plan_kv_cache,
+    profile_steps,
+)
+from meshserve.worker.step_packing import PackedStep, pack_step, torch_inputs, triton_inputs
 
 logger = logging.getLogger(__name__)
 
 
-def _init_dummy_(model: torch.nn.Module, seed: int) -> None:
-    g = None
+def _init_dummy_(model: torch.nn.Module, seed: int, device: torch.device) -> None:
+    g = torch.Generator(device=device).manual_seed(seed)
     for name, p in model.named_parameters():
-        if g is None:
-            g = torch.Generator(p.device).manual_seed(seed)
         if name.endswith("norm.weight") or "layernorm" in name:
             p.data.fill_(1.0)
         else:
-            p.data.copy_(torch.randn(p.shape, generator=g, device=p.device, dtype=p.dtype) * 0.02)
+            p.data.copy_(torch.randn(p.shape, generator=g, device=device, dtype=p.dtype) * 0.02)
 
 
-@contextlib.contextmanager
-def _default_dtype(dtype: torch.dtype):
-    saved = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
+def _build_model(cls, cfg, split, device: torch.device, dtype: torch.dtype, dummy: bool) -> torch.nn.Module:
+    """Loaded weights on CPU: built in float32 and cast afterwards, as always. On a GPU, or with dummy
+    weights (a big geometry, an MoE's experts), built on the device in the final dtype: an 8B model
+    in float32 on the host would need 32 GB there."""
+    if device.type != "cuda" and not dummy:
+        return cls(cfg, split)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # rotary tables ask for float32 explicitly and stay float32
     try:
-        yield
+        with torch.device(device):
+            return cls(cfg, split)
     finally:
-        torch.set_default_dtype(saved)
+        torch.set_default_dtype(previous)
+
+
+def _triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
 
 
 class ModelRunner:
@@ -48,31 +67,40 @@ class ModelRunner:
         self.config = config
         self.ps = get_parallel_state()
         self.device = self.ps.device
-        self.dtype = config.resolved_dtype()
+        self.dtype, dtype_reason = config.dtype_choice()
+        if self.ps.rank == 0:
+            logger.info("dtype %s (%s)", str(self.dtype).removeprefix("torch."), dtype_reason)
         self.block_size = config.block_size
         self.max_model_len = max_model_len
         cfg = source.config
         torch.manual_seed(config.seed)
-        if config.load_format == "dummy":
-            # Built on the device in its dtype: a big geometry (an MoE's experts) must not first
-            # materialise in float32 host memory.
-            with torch.device(self.device), _default_dtype(self.dtype):
-                model = model_class(cfg.architecture)(cfg, config.pipeline_split)
-            _init_dummy_(model, config.seed + self.ps.rank)
+        dummy = config.load_format == "dummy"
+        model = _build_model(model_class(cfg.architecture), cfg, config.pipeline_split, self.device, self.dtype, dummy)
+        if dummy:
+            _init_dummy_(model, config.seed + self.ps.rank, self.device)
         else:
-            model = model_class(cfg.architecture)(cfg, config.pipeline_split)
             model.load_weights(source.iter_weights())
-        self.model = model.to(device=self.device, dtype=self.dtype).eval()
-        for m in self.model.modules():
-            if isinstance(m, RotaryEmbedding):
-                m.float()  # rotary tables stay float32: large positions lose precision in bf16
+        self.model = model.to(device=self.device).eval()
+        for p in self.model.parameters():
+            p.data = p.data.to(self.dtype)  # buffers (rotary tables) stay float32: bf16 positions lose precision
         if self.device.type == "cpu" and self.dtype == torch.float32:
             cpu_kernels.available()  # compile (or load) them now, not during the first request
         prepack_model(self.model)
         self.sampler = Sampler(config.seed, self.device) if self.ps.is_last_stage and self.ps.tp_rank == 0 else None
         attn = next(iter(self.model.layers.values())).self_attn
         self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
+        self.group = attn.num_heads // attn.num_kv_heads
         self.kv_caches: list[torch.Tensor] = []
+        self.use_triton = self.device.type == "cuda" and _triton_available()
+        if self.device.type == "cuda" and not self.use_triton:
+            logger.warning("Triton is not installed: CUDA attention gathers K/V for every step (pip install triton)")
+        no_graphs = graphs_disabled_reason(self.device.type, config.enforce_eager, self.use_triton, self.ps.tp_size)
+        max_decode_batch = min(config.max_num_seqs, config.batched_token_budget(max_model_len))
+        self.graph_sizes = capture_sizes(max_decode_batch) if no_graphs is None else []
+        if self.device.type == "cuda" and no_graphs is not None and self.ps.rank == 0:
+            logger.info("decode steps run eagerly: %s", no_graphs)
+        self.graphs: DecodeGraphs | None = None
+        self.kv_budget: KVCacheBudget | None = None  # the measured breakdown, on CUDA
         # MoE routing counts: every rank of a stage sees the same global counts, its first TP rank reports them.
         self.expert_load = getattr(self.model, "expert_load", None) if self.ps.tp_rank == 0 else None
 
@@ -98,81 +126,108 @@ class ModelRunner:
         return 2 * len(self.model.layers) * self.num_kv_heads * self.head_dim * self.block_size * elem
 
     def num_kv_blocks(self) -> int:
-        """Blocks this rank can hold: an explicit byte budget, or on a GPU what is left of
-        gpu_memory_utilization x memory after the weights and a profiled forward pass."""
+        """Blocks this rank can hold: an explicit byte budget, or on a GPU what the profiled
+        breakdown leaves of gpu_memory_utilization x memory (see memory_budget.py)."""
         budget = self.config.kv_cache_memory_bytes
         if budget is None and self.device.type == "cuda":
-            budget = self._profile_cuda_free_bytes()
+            self.kv_budget = self._profile_cuda_budget()
+            logger.info("rank %d: %s", self.ps.rank, self.kv_budget.describe())
+            return self.kv_budget.num_blocks
         if budget is None:  # host memory is shared by all ranks of the replica
             budget = CPU_DEFAULT_KV_BYTES // self.ps.world_size
         return budget // self.block_bytes
 
-    def _profile_cuda_free_bytes(self) -> int:
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(self.device)
-        n = min(self.config.max_num_batched_tokens or 2048, self.max_model_len)
-        with torch.inference_mode():
-            ids = torch.zeros(n, dtype=torch.long, device=self.device)
-            h = torch.zeros(n, self.model.cfg.hidden_size, dtype=self.dtype, device=self.device)
-            dummy_cache = [torch.zeros(2, 1, self.block_size, self.num_kv_heads, self.head_dim,
-                                       dtype=self.dtype, device=self.device) for _ in self.model.layers]
-            meta = AttentionMetadata(torch.zeros(n, dtype=torch.long, device=self.device),
-                                     [PrefillSeq(0, n, 0, None)], n)
-            out = self.model(ids, torch.arange(n, device=self.device), dummy_cache, meta, hidden=h)
+    def _dummy_kv_cache(self) -> list[torch.Tensor]:
+        shape = (2, 1, self.block_size, self.num_kv_heads, self.head_dim)
+        return [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.model.layers]
+
+    @torch.inference_mode()
+    def run_profile_steps(self, kv_caches: list[torch.Tensor]) -> None:
+        """The scheduler's worst steps (memory_budget.profile_steps) through forward and sampling,
+        on a one-block cache; every rank of the replica runs them together (they communicate)."""
+        tokens = self.config.batched_token_budget(self.max_model_len)
+        for step in profile_steps(tokens, self.config.max_num_seqs, self.max_model_len, self.block_size):
+            packed = pack_step(step, self.block_size)
+            hidden = None
+            if not self.ps.is_first_stage:
+                hidden = torch.zeros(packed.num_tokens, self.model.cfg.hidden_size, dtype=self.dtype,
+                                     device=self.device)
+            out = self._run_eager(packed, hidden, kv_caches)
             if self.ps.is_last_stage:
-                self.model.compute_logits(out[-1:])
-        self.take_expert_counts()  # the profiling pass is not traffic
-        torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device)
-        total = torch.cuda.get_device_properties(self.device).total_memory
-        return max(0, int(total * self.config.gpu_memory_utilization) - peak)
+                self.sample(step, out[to_device(packed.sample_rows, torch.long, self.device)])
+                if self.sampler is not None:
+                    self.sampler.forget([s.seq_id for s in step.seqs])
+        self.take_expert_counts()  # the profiling steps are not traffic
+
+    def _profile_cuda_budget(self) -> KVCacheBudget:
+        dev = self.device
+        torch.cuda.synchronize(dev)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(dev)
+        weights = torch.cuda.memory_allocated(dev)
+        dummy_cache = self._dummy_kv_cache()
+        self.run_profile_steps(dummy_cache)
+        torch.cuda.synchronize(dev)
+        activation_peak = torch.cuda.max_memory_allocated(dev) - weights
+        slack = max(0, torch.cuda.max_memory_reserved(dev) - torch.cuda.max_memory_allocated(dev))
+        graph_bytes = 0
+        if self.graph_sizes:  # the graphs' pool holds one decode forward at the largest size
+            torch.cuda.reset_peak_memory_stats(dev)
+            base = torch.cuda.memory_allocated(dev)
+            with torch.inference_mode():
+                decode = pack_step(decode_step(max(self.graph_sizes), self.max_model_len, self.block_size),
+                                   self.block_size)
+                hidden = None if self.ps.is_first_stage else torch.zeros(
+                    decode.num_tokens, self.model.cfg.hidden_size, dtype=self.dtype, device=dev)
+                self._run_eager(decode, hidden, dummy_cache)
+            torch.cuda.synchronize(dev)
+            graph_bytes = torch.cuda.max_memory_allocated(dev) - base
+        del dummy_cache
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(dev)
+        non_torch = max(0, (total - free) - torch.cuda.memory_reserved(dev))
+        profile = DeviceMemoryProfile(total, weights, activation_peak, non_torch, graph_bytes, slack)
+        return plan_kv_cache(profile, self.config.gpu_memory_utilization, self.block_bytes,
+                             spare_blocks=1 if self.graph_sizes else 0)
 
     def init_kv_cache(self, num_blocks: int) -> None:
-        shape = (2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        """With CUDA graphs one spare block past `num_blocks` takes the padding rows' K/V."""
+        spare = 1 if self.graph_sizes else 0
+        shape = (2, num_blocks + spare, self.block_size, self.num_kv_heads, self.head_dim)
         self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.model.layers]
+        if self.graph_sizes:
+            self._capture_graphs(pad_block=num_blocks)
+
+    def _capture_graphs(self, pad_block: int) -> None:
+        t0 = time.perf_counter()
+        free_before = torch.cuda.mem_get_info(self.device)[0]
+        hidden_size = None if self.ps.is_first_stage else self.model.cfg.hidden_size
+        inputs = DecodeGraphInputs(max(self.graph_sizes), -(-self.max_model_len // self.block_size), pad_block,
+                                   self.block_size, self.device, hidden_size, self.dtype)
+        self.graphs = DecodeGraphs(self.model, self.kv_caches, inputs, self.graph_sizes, self.num_kv_heads)
+        self.graphs.capture()
+        torch.cuda.synchronize(self.device)
+        used = free_before - torch.cuda.mem_get_info(self.device)[0]
+        logger.info("rank %d: captured CUDA graphs for decode batches %s in %.1f s (%.2f GiB; budgeted %.2f GiB)",
+                    self.ps.rank, self.graph_sizes, time.perf_counter() - t0, used / 2**30,
+                    (self.kv_budget.profile.cuda_graph_bytes if self.kv_budget else 0) / 2**30)
 
     # ---- one step ----------------------------------------------------------------------
-    def _prepare(self, step: StepInput):
-        bs, dev = self.block_size, self.device
-        ids, positions, slots, prefills = [], [], [], []
-        decodes = [s for s in step.seqs if len(s.token_ids) == 1]
-        ordered = [s for s in step.seqs if len(s.token_ids) > 1] + decodes
-        for s in ordered:
-            q_start = len(ids)
-            ids.extend(s.token_ids)
-            pos = range(s.start, s.start + len(s.token_ids))
-            positions.extend(pos)
-            bt = s.block_table
-            slots.extend(bt[p // bs] * bs + p % bs for p in pos)
-            if len(s.token_ids) > 1:
-                n_blocks = -(-(s.start + len(s.token_ids)) // bs)
-                table = torch.tensor(bt[:n_blocks], device=dev) if s.start > 0 else None
-                prefills.append(PrefillSeq(q_start, len(ids), s.start, table))
-        num_prefill_tokens = len(ids) - len(decodes)
-        meta = AttentionMetadata(torch.tensor(slots, dtype=torch.long, device=dev), prefills, num_prefill_tokens)
-        if decodes:
-            width = max(-(-(s.start + 1) // bs) for s in decodes)
-            tables = torch.tensor([s.block_table[:width] + [0] * (width - min(width, len(s.block_table)))
-                                   for s in decodes], dtype=torch.long, device=dev)
-            lens = torch.tensor([s.start + 1 for s in decodes], device=dev)
-            meta.decode_block_tables = tables
-            meta.decode_mask = (torch.arange(width * bs, device=dev)[None, :] < lens[:, None])[:, None, None, :]
-            meta.decode_context_lens = lens
-        # Row of the last token of each sequence that samples, in the original order.
-        last_row, row = {}, 0
-        for s in ordered:
-            row += len(s.token_ids)
-            last_row[s.seq_id] = row - 1
-        sample_rows = [last_row[s.seq_id] for s in step.seqs if s.sample]
-        return (torch.tensor(ids, dtype=torch.long, device=dev), torch.tensor(positions, dtype=torch.long, device=dev),
-                meta, sample_rows)
+    def _run_eager(self, packed: PackedStep, hidden: torch.Tensor | None, kv_caches: list[torch.Tensor]):
+        if self.use_triton:
+            ids, positions, meta = triton_inputs(packed, self.group, self.num_kv_heads, self.device)
+        else:
+            ids, positions, meta = torch_inputs(packed, self.block_size, self.device)
+        return self.model(ids, positions, kv_caches, meta, hidden=hidden)
 
     @torch.inference_mode()
     def forward(self, step: StepInput, hidden: torch.Tensor | None = None) -> tuple[torch.Tensor, list[int]]:
         """This stage's layers over the step's tokens (token ids on the first stage, the previous
         stage's hidden states on later ones). Returns the hidden states and the rows that sample."""
-        ids, positions, meta, sample_rows = self._prepare(step)
-        return self.model(ids, positions, self.kv_caches, meta, hidden=hidden), sample_rows
+        packed = pack_step(step, self.block_size)
+        if self.graphs is not None and self.graphs.can_run(packed):
+            return self.graphs.run(packed, hidden), packed.sample_rows
+        return self._run_eager(packed, hidden, self.kv_caches), packed.sample_rows
 
     @torch.inference_mode()
     def sample(self, step: StepInput, hidden_rows: torch.Tensor | None) -> SamplerOutput | None:

@@ -19,6 +19,7 @@ from meshserve.distributed.parallel_state import (
 from meshserve.distributed.placement import pin_to_cores
 from meshserve.distributed.timing import RankTiming
 from meshserve.engine.step import StepInput
+from meshserve.layers.host_to_device import to_device
 from meshserve.models.loader import ModelSource
 from meshserve.worker.microbatch import (
     MIN_MICROBATCH_TOKENS,
@@ -99,11 +100,11 @@ class Worker:
                 if not ps.is_last_stage:
                     self._inflight.append((ps.isend(out, self.next_rank), out))
                 elif sample_rows:
-                    rows.append(out[torch.tensor(sample_rows, device=out.device)])
+                    rows.append(out[to_device(sample_rows, torch.long, out.device)])
             sampled = None
             if ps.is_last_stage:
                 sampled = runner.sample(step, torch.cat(rows) if rows else None)
-            if ps.device.type == "cuda":
+            if ps.device.type == "cuda":  # the step's one sync (free on the sampling rank, which has read its tokens)
                 torch.cuda.synchronize(ps.device)
         comm = ps.comm_timer.take()
         timing = RankTiming(self.rank, time.perf_counter() - t0 - sum(comm.values()), comm)

@@ -30,10 +30,25 @@ def test_bad_values_are_named_with_their_range():
 def test_device_defaults(monkeypatch):
     import torch
 
+    from meshserve import config
     from meshserve.config import EngineConfig
 
-    assert EngineConfig().resolved_dtype() == (torch.bfloat16 if torch.cuda.is_available() else torch.float32)
+    if not torch.cuda.is_available():
+        assert EngineConfig().dtype_choice() == (torch.float32, config.auto_dtype("cpu", False)[1])
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     cfg = EngineConfig()
+    monkeypatch.setattr(config, "_cuda_bf16_supported", lambda device: True)
     assert cfg.resolved_device().type == "cuda" and cfg.resolved_dtype() == torch.bfloat16
+    monkeypatch.setattr(config, "_cuda_bf16_supported", lambda device: False)  # before Ampere
+    assert cfg.resolved_dtype() == torch.float16
     assert EngineConfig(dtype="float32").resolved_dtype() == torch.float32
+
+
+def test_enforce_eager_flag_reaches_the_engine_config():
+    from meshserve.cli import build_parser
+    from meshserve.config import EngineConfig
+
+    parser = build_parser()
+    for argv in (["serve"], ["generate", "--prompt", "x"]):
+        assert EngineConfig.from_cli_args(parser.parse_args(argv)).enforce_eager is False
+        assert EngineConfig.from_cli_args(parser.parse_args(argv + ["--enforce-eager"])).enforce_eager is True

@@ -36,7 +36,7 @@ def test_sampling_follows_the_distribution():
 
 def _state(prompt, output, vocab=5):
     st = PenaltyState(torch.device("cpu"))
-    st.load(0, vocab, prompt, output)
+    st.load({0: (prompt, output)}, vocab)
     return st.batch([0], vocab)
 
 

@@ -1,0 +1,165 @@
+"""Decode steps replayed from CUDA graphs.
+
+A decode step of a small model is mostly kernel-launch overhead: hundreds of small kernels, each
+launched from Python. Captured once per batch size into a CUDA graph, the whole forward pass is
+one launch. As in vLLM (`cudagraph_capture_sizes`), graphs exist for a set of batch sizes (1, 2,
+4, then multiples of 8) and a step runs in the smallest one that holds it; the rows past its
+batch are padding.
+
+A graph replays fixed device addresses, so it reads its inputs from persistent buffers
+(`DecodeGraphInputs`) that each replay refills with one host-to-device copy per buffer kind.
+Padding rows must not touch live cache blocks: they write their K/V into a spare block allocated
+past the ones the scheduler hands out, and attend to that block alone.
+
+Prefill and mixed steps, batches above the largest size, and tensor-parallel ranks (whose
+collectives are timed with events, which a capture cannot record) run eagerly, as does everything
+with `enforce_eager`. Only the sizes, the padding and the buffers are logic of our own; they are
+tested on CPU with a stand-in for the capture.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+from typing import Protocol
+
+import torch
+
+from meshserve.layers.attention import AttentionMetadata
+from meshserve.layers.paged_launch import decode_splits
+from meshserve.worker.step_packing import PackedStep
+
+MAX_CAPTURE_SIZE = 512
+
+
+def capture_sizes(max_decode_batch: int, limit: int = MAX_CAPTURE_SIZE) -> list[int]:
+    """1, 2, 4, then multiples of 8, up to the first that holds `max_decode_batch` (at most `limit`)."""
+    sizes = []
+    for size in [1, 2, 4, *range(8, limit + 1, 8)]:
+        sizes.append(size)
+        if size >= max_decode_batch:
+            break
+    return sizes
+
+
+def padded_batch_size(sizes: list[int], batch: int) -> int | None:
+    """The smallest captured size that holds `batch` sequences; None when none does (run eagerly)."""
+    return next((s for s in sizes if s >= batch), None)
+
+
+def graphs_disabled_reason(device_type: str, enforce_eager: bool, use_triton: bool, tp_size: int) -> str | None:
+    """Why decode steps run eagerly, or None when they replay CUDA graphs."""
+    if device_type != "cuda":
+        return "not a CUDA device"
+    if enforce_eager:
+        return "enforce_eager is set"
+    if not use_triton:
+        return "the Triton attention kernels are not available"
+    if tp_size > 1:
+        return "tensor parallelism: the all-reduces are timed with CUDA events, which a graph capture cannot record"
+    return None
+
+
+class DecodeGraphInputs:
+    """The persistent device tensors captured graphs read, and the refill before each replay."""
+
+    def __init__(self, max_batch: int, max_blocks_per_seq: int, pad_block: int, block_size: int,
+                 device: torch.device, hidden_size: int | None = None, hidden_dtype: torch.dtype | None = None):
+        self.device = device
+        self.pad_block = pad_block
+        self.pad_slot = pad_block * block_size
+        # Rows: token ids, positions, cache slots, context lengths.
+        self.scalars = torch.zeros(4, max_batch, dtype=torch.long, device=device)
+        self.block_tables = torch.full((max_batch, max_blocks_per_seq), pad_block, dtype=torch.long, device=device)
+        self.hidden = (torch.zeros(max_batch, hidden_size, dtype=hidden_dtype, device=device)
+                       if hidden_size is not None else None)  # a later pipeline stage's input
+        self._fill_padding(0, max_batch)
+
+    def _fill_padding(self, start: int, end: int) -> None:
+        """Padding rows: token 0 at position 0, written into the spare block, which is all they see."""
+        self.scalars[:2, start:end] = 0
+        self.scalars[2, start:end] = self.pad_slot
+        self.scalars[3, start:end] = 1
+        self.block_tables[start:end, 0] = self.pad_block
+
+    def fill(self, packed: PackedStep, padded: int, hidden: torch.Tensor | None = None) -> None:
+        """Copy a decode-only step into the first rows and pad up to `padded` rows."""
+        n = len(packed.decode_context_lens)
+        pad = padded - n
+        scalars = [packed.input_ids + [0] * pad, packed.positions + [0] * pad,
+                   packed.slot_mapping + [self.pad_slot] * pad, packed.decode_context_lens + [1] * pad]
+        width = max(len(t) for t in packed.decode_block_tables)
+        tables = [t + [self.pad_block] * (width - len(t)) for t in packed.decode_block_tables]
+        tables += [[self.pad_block] * width] * pad
+        self.scalars[:, :padded].copy_(self._staged(scalars), non_blocking=True)
+        # Columns past `width` may hold an earlier step's blocks: the context lengths keep them unread.
+        self.block_tables[:padded, :width].copy_(self._staged(tables), non_blocking=True)
+        if hidden is not None:
+            self.hidden[:n].copy_(hidden)
+
+    def _staged(self, values: list[list[int]]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, pin_memory=self.device.type == "cuda")
+
+    def views(self, batch: int, kv_heads: int):
+        """(ids, positions, metadata, hidden) over the first `batch` rows, as a graph captures them."""
+        ids, positions, slots, lens = self.scalars[:, :batch]
+        meta = AttentionMetadata(slots, [], 0, decode_block_tables=self.block_tables[:batch],
+                                 decode_context_lens=lens, use_triton=True,
+                                 decode_splits=decode_splits(batch, kv_heads))
+        return ids, positions, meta, None if self.hidden is None else self.hidden[:batch]
+
+
+class GraphCapture(Protocol):
+    """Capture `fn` once and replay it: torch.cuda.CUDAGraph on a GPU, a stand-in in the tests."""
+
+    def capture(self, fn: Callable[[], torch.Tensor]) -> torch.Tensor: ...
+    def replay(self) -> None: ...
+
+
+class CudaGraphCapture:
+    def __init__(self, pool):
+        self.pool = pool  # shared by every size: a replay's activations reuse the same memory
+        self.graph = torch.cuda.CUDAGraph()
+
+    def capture(self, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
+        fn()  # warm-up outside the capture: compiles the Triton kernels, creates cuBLAS handles
+        torch.cuda.synchronize()
+        with torch.cuda.graph(self.graph, pool=self.pool):
+            out = fn()
+        return out
+
+    def replay(self) -> None:
+        self.graph.replay()
+
+
+class DecodeGraphs:
+    """One captured forward pass per batch size; `run` replays the one that fits a decode step."""
+
+    def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], inputs: DecodeGraphInputs,
+                 sizes: list[int], kv_heads: int, new_capture: Callable[[], GraphCapture] | None = None):
+        self.model, self.kv_caches, self.inputs, self.sizes, self.kv_heads = model, kv_caches, inputs, sizes, kv_heads
+        if new_capture is None:
+            pool = torch.cuda.graph_pool_handle()
+            new_capture = lambda: CudaGraphCapture(pool)  # noqa: E731
+        self._new_capture = new_capture
+        self._graphs: dict[int, tuple[GraphCapture, torch.Tensor]] = {}
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        for size in sorted(self.sizes, reverse=True):  # largest first: smaller ones fit in its memory
+            ids, positions, meta, hidden = self.inputs.views(size, self.kv_heads)
+            graph = self._new_capture()
+            out = graph.capture(partial(self.model, ids, positions, self.kv_caches, meta, hidden=hidden))
+            self._graphs[size] = (graph, out)
+
+    def can_run(self, packed: PackedStep) -> bool:
+        return packed.is_decode_only and padded_batch_size(self.sizes, len(packed.decode_context_lens)) is not None
+
+    def run(self, packed: PackedStep, hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """The step's hidden states, copied out of the graph's memory: the next replay (a pipeline
+        stage's next micro-batch) overwrites it while this one may still be sending."""
+        n = len(packed.decode_context_lens)
+        size = padded_batch_size(self.sizes, n)
+        self.inputs.fill(packed, size, hidden)
+        graph, out = self._graphs[size]
+        graph.replay()
+        return out[:n].clone()

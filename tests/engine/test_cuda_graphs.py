@@ -1,0 +1,120 @@
+"""The CUDA graph logic of decode steps, on CPU: which batch sizes are captured, which one a step
+pads up to, what the persistent input buffers hold after a refill, and that replaying from them
+(a stand-in that reruns the captured forward pass) computes what an eager step computes, with
+the padding rows touching nothing but the spare block. The Triton kernels run in the interpreter."""
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are defined: CPU tensors, no GPU
+
+import torch  # noqa: E402
+from tiny_model import tiny_runner  # noqa: E402
+
+from meshserve.engine.step import SeqStep, StepInput  # noqa: E402
+from meshserve.worker.cuda_graphs import (  # noqa: E402
+    DecodeGraphInputs,
+    DecodeGraphs,
+    capture_sizes,
+    graphs_disabled_reason,
+    padded_batch_size,
+)
+from meshserve.worker.step_packing import pack_step  # noqa: E402
+
+BLOCK = 8
+
+
+def test_capture_sizes_follow_the_decode_batch_limit():
+    assert capture_sizes(1) == [1]
+    assert capture_sizes(3) == [1, 2, 4]
+    assert capture_sizes(5) == [1, 2, 4, 8]
+    sizes = capture_sizes(256)
+    assert sizes[:5] == [1, 2, 4, 8, 16] and sizes[-1] == 256 and len(sizes) == 35
+    assert capture_sizes(100)[-1] == 104  # the first size that holds the limit
+    assert capture_sizes(10_000)[-1] == 512  # beyond the largest size, steps run eagerly
+
+
+def test_a_step_pads_up_to_the_smallest_size_that_holds_it():
+    sizes = capture_sizes(64)
+    assert [padded_batch_size(sizes, n) for n in (1, 2, 3, 4, 5, 8, 9, 64)] == [1, 2, 4, 4, 8, 8, 16, 64]
+    assert padded_batch_size(sizes, 65) is None
+
+
+def test_when_graphs_are_used():
+    assert graphs_disabled_reason("cuda", False, True, 1) is None
+    assert "enforce_eager" in graphs_disabled_reason("cuda", True, True, 1)
+    assert "Triton" in graphs_disabled_reason("cuda", False, False, 1)
+    assert "tensor parallel" in graphs_disabled_reason("cuda", False, True, 2)
+    assert graphs_disabled_reason("cpu", False, True, 1) is not None
+
+
+def _decodes(contexts: list[int], first_block: int = 0) -> StepInput:
+    """One decode per context length; sequence i owns consecutive blocks from first_block on."""
+    seqs, block = [], first_block
+    for i, n in enumerate(contexts):
+        blocks = -(-n // BLOCK)
+        seqs.append(SeqStep(i, [10 + i], n - 1, list(range(block, block + blocks)), sample=True))
+        block += blocks
+    return StepInput(seqs)
+
+
+def test_refill_writes_the_step_then_padding_rows():
+    pad_block = 50
+    inputs = DecodeGraphInputs(max_batch=8, max_blocks_per_seq=6, pad_block=pad_block, block_size=BLOCK,
+                               device=torch.device("cpu"))
+    wide = pack_step(_decodes([40, 9]), BLOCK)  # 5 and 2 blocks
+    inputs.fill(wide, 4)
+    narrow = pack_step(_decodes([3]), BLOCK)
+    inputs.fill(narrow, 2)
+    ids, positions, slots, lens = inputs.scalars[:, :2].tolist()
+    assert ids == [10, 0] and positions == [2, 0] and lens == [3, 1]
+    assert slots == [2, pad_block * BLOCK]  # padding writes into the spare block only
+    assert inputs.block_tables[:2, 0].tolist() == [0, pad_block]
+    # Columns past this step's width keep the wide step's blocks: unread, since lens bound every read.
+    assert inputs.block_tables[0, 1:5].tolist() == [1, 2, 3, 4]
+    _, _, meta, hidden = inputs.views(2, kv_heads=2)
+    assert meta.use_triton and meta.num_prefill_tokens == 0 and hidden is None
+    assert meta.decode_block_tables.shape == (2, 6) and meta.decode_context_lens.tolist() == [3, 1]
+
+
+class RerunCapture:
+    """Stands in for a CUDA graph: replay reruns the captured function into the captured output,
+    reading the same persistent buffers a graph would."""
+
+    def capture(self, fn):
+        self.fn = fn
+        self.out = fn()
+        return self.out
+
+    def replay(self):
+        with torch.inference_mode():  # as ModelRunner.forward runs it
+            self.out.copy_(self.fn())
+
+
+def test_graph_replay_equals_an_eager_step(tmp_path):
+    runner = tiny_runner(tmp_path, block_size=BLOCK)
+    runner.use_triton = True  # what CUDA selects; the interpreter runs it here
+    num_blocks, pad_block = 30, 30
+    caches = [torch.zeros(2, num_blocks + 1, BLOCK, runner.num_kv_heads, runner.head_dim) for _ in range(2)]
+    runner.kv_caches = caches
+    # Prefill three sequences eagerly so that the decodes below read real K/V.
+    contexts = [5, 17, 9]
+    prefill = _decodes(contexts)
+    for s, n in zip(prefill.seqs, contexts):
+        s.token_ids, s.start = list(range(1, n)), 0
+    runner.forward(prefill)
+
+    inputs = DecodeGraphInputs(4, -(-runner.max_model_len // BLOCK), pad_block, BLOCK, torch.device("cpu"))
+    graphs = DecodeGraphs(runner.model, caches, inputs, [1, 2, 4], runner.num_kv_heads, new_capture=RerunCapture)
+    graphs.capture()
+
+    for step in (_decodes(contexts), _decodes(contexts[:2])):  # padded to 4, then exactly 2
+        packed = pack_step(step, BLOCK)
+        assert graphs.can_run(packed)
+        eager_caches = [c.clone() for c in caches]
+        with torch.inference_mode():
+            expected = runner._run_eager(packed, None, eager_caches)
+            got = graphs.run(packed)
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+        for live, eager in zip(caches, eager_caches):
+            torch.testing.assert_close(live[:, :num_blocks], eager[:, :num_blocks], rtol=0, atol=0)
+    assert not graphs.can_run(pack_step(_decodes([3] * 5), BLOCK))  # above the largest size: eager
+    assert not graphs.can_run(pack_step(prefill, BLOCK))  # prefills always run eagerly

@@ -1,0 +1,128 @@
+"""The Triton paged-attention kernels (run here by the Triton interpreter on CPU tensors) equal the
+PyTorch path on mixed steps: fresh prompts, a prefix hit, a chunk after earlier chunks and ragged
+decodes, under grouped-query attention and several block sizes; decode split-K equals no split;
+and the launch geometry always gives tl.dot tiles of at least 16."""
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are defined: CPU tensors, no GPU
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from meshserve.engine.step import SeqStep, StepInput  # noqa: E402
+from meshserve.layers import paged_launch  # noqa: E402
+from meshserve.layers.attention import PagedAttention  # noqa: E402
+from meshserve.worker.step_packing import pack_step, torch_inputs, triton_inputs  # noqa: E402
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def interpreter():
+    from meshserve.layers import triton_attention
+
+    assert type(triton_attention._paged_attention_kernel).__name__ == "InterpretedFunction", \
+        "TRITON_INTERPRET=1 must be set before the kernels are imported"
+
+
+def _mixed_step(block_size: int, gen: torch.Generator) -> tuple[StepInput, int]:
+    """(new tokens, cached tokens) per sequence: two fresh prompts of one length (the PyTorch path
+    batches those), a prefix hit ending on a block boundary, a chunk after an unaligned earlier
+    chunk, long enough for several query tiles, and decodes either side of block boundaries."""
+    specs = [(7, 0), (7, 0), (9, 2 * block_size), (70, 37)]
+    specs += [(1, n - 1) for n in (1, 2, block_size, block_size + 1, 3 * block_size + 2)]
+    blocks_needed = [-(-(new + cached) // block_size) for new, cached in specs]
+    order = torch.randperm(sum(blocks_needed) + 4, generator=gen).tolist()  # scattered, some unused
+    seqs, used = [], 0
+    for i, ((new, cached), n) in enumerate(zip(specs, blocks_needed)):
+        seqs.append(SeqStep(i, [0] * new, cached, order[used:used + n], sample=True))
+        used += n
+    return StepInput(seqs), len(order)
+
+
+def _run_both(heads, kv_heads, head_dim, block_size, dtype=torch.float32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    step, num_blocks = _mixed_step(block_size, gen)
+    packed = pack_step(step, block_size)
+    t = packed.num_tokens
+    q = torch.randn(t, heads, head_dim, generator=gen).to(dtype)
+    k = torch.randn(t, kv_heads, head_dim, generator=gen).to(dtype)
+    v = torch.randn(t, kv_heads, head_dim, generator=gen).to(dtype)
+    cache = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)  # "cached" tokens
+    attn = PagedAttention(heads, kv_heads, head_dim)
+    ref_cache = cache.float().clone()
+    _, _, ref_meta = torch_inputs(packed, block_size, CPU)
+    expected = attn(q.float(), k.float(), v.float(), ref_cache[0], ref_cache[1], ref_meta)
+    tri_cache = cache.clone()
+    _, _, tri_meta = triton_inputs(packed, heads // kv_heads, kv_heads, CPU)
+    assert tri_meta.use_triton and tri_meta.prefill_launch is not None and tri_meta.decode_block_tables is not None
+    got = attn(q, k, v, tri_cache[0], tri_cache[1], tri_meta)
+    return expected, got, ref_cache, tri_cache
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2), (9, 3)])  # GQA groups 1, 4 and 3 (padded to 4)
+@pytest.mark.parametrize("block_size", [16, 8, 5])  # 5: keys of one tile span several blocks unevenly
+def test_mixed_step_equals_the_pytorch_path(heads, kv_heads, block_size):
+    expected, got, ref_cache, tri_cache = _run_both(heads, kv_heads, 32, block_size, seed=heads + block_size)
+    torch.testing.assert_close(tri_cache, ref_cache, rtol=0, atol=0)  # the same K/V written to the same slots
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_head_dim_that_is_not_a_power_of_two():
+    expected, got, _, _ = _run_both(4, 2, 40, 16)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_half_precision_cache():
+    expected, got, _, _ = _run_both(8, 2, 32, 16, dtype=torch.float16)
+    assert got.dtype == torch.float16
+    torch.testing.assert_close(got.float(), expected, rtol=0, atol=5e-3)
+
+
+def test_decode_split_k_equals_one_range():
+    from meshserve.layers import triton_attention
+
+    gen = torch.Generator().manual_seed(3)
+    heads, kv_heads, head_dim, block_size = 8, 2, 32, 16
+    lens = [1, 5, 64, 65, 300]  # with 8 splits of 64 keys, most of these leave splits empty
+    width = -(-max(lens) // block_size)
+    cache = torch.randn(2, len(lens) * width, block_size, kv_heads, head_dim, generator=gen)
+    tables = torch.randperm(len(lens) * width, generator=gen).view(len(lens), width)
+    q = torch.randn(len(lens), heads, head_dim, generator=gen)
+    outs = []
+    for splits in (1, 2, 8):
+        out = torch.full_like(q, float("nan"))
+        triton_attention.decode_attention(q, cache[0], cache[1], out, torch.tensor(lens), tables,
+                                          head_dim ** -0.5, splits)
+        outs.append(out)
+    for out in outs[1:]:
+        torch.testing.assert_close(out, outs[0], rtol=1e-5, atol=1e-5)
+    # A one-token context attends to its own V row only.
+    torch.testing.assert_close(outs[0][0], cache[1][tables[0, 0], 0].repeat_interleave(heads // kv_heads, 0))
+
+
+@pytest.mark.parametrize("group", [1, 2, 3, 4, 7, 8, 16])
+def test_tiles_fit_tl_dot(group):
+    for tile in (paged_launch.prefill_tile(group), paged_launch.decode_tile(group)):
+        assert tile.rows >= paged_launch.MIN_DOT and tile.block_n >= paged_launch.MIN_DOT
+        assert tile.heads_padded >= group and tile.heads_padded & (tile.heads_padded - 1) == 0
+    assert paged_launch.decode_tile(group).block_q == 1
+
+
+def test_query_tiles_cover_every_token_once():
+    lens = [1, 5, 64, 65]
+    seqs, starts = paged_launch.query_tiles(lens, 32)
+    covered = {(s, t) for s, start in zip(seqs, starts) for t in range(start, min(start + 32, lens[s]))}
+    assert covered == {(s, t) for s, n in enumerate(lens) for t in range(n)}
+    assert len(seqs) == 1 + 1 + 2 + 3
+
+
+def test_decode_splits():
+    # Large batches already fill the device; small ones split, but never below MIN_KEYS_PER_SPLIT keys.
+    assert paged_launch.decode_splits(256, 8) == 1
+    assert paged_launch.decode_splits(1, 8) == paged_launch.MAX_DECODE_SPLITS
+    assert paged_launch.decode_splits(1, 8, max_context=100) == 1
+    assert paged_launch.decode_splits(1, 8, max_context=4 * paged_launch.MIN_KEYS_PER_SPLIT) == 4
+    for batch in (1, 3, 17, 64):
+        s = paged_launch.decode_splits(batch, 2)
+        assert s & (s - 1) == 0 and 1 <= s <= paged_launch.MAX_DECODE_SPLITS
