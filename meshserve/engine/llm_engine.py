@@ -87,7 +87,7 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching,
                                           extra_hash_key=self.source.revision)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, self.max_num_batched_tokens,
-                                   config.enable_chunked_prefill)
+                                   config.enable_chunked_prefill, config.prefill_chunk_with_decodes)
         self.requests: dict[str, RequestState] = {}
         self.seq_to_request: dict[int, RequestState] = {}
         self._finished_seq_ids: list[int] = []
