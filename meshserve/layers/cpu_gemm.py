@@ -3,9 +3,9 @@
 With a handful of rows (decode steps: one row per running sequence) MKL's sgemm, which
 `F.linear` calls, packs panels of the weight on every call, work that a few rows cannot amortise;
 oneDNN reading a weight packed once into its own blocked layout ran these shapes 1.2-2x faster
-here (the LM head up to 3x). With prefill-sized row counts (130 to 1,100 rows of SmolLM2's
-shapes, 2 cores) it was still 3-13% faster, so every 2-D input takes it. The packed copy costs
-one more copy of each linear weight in host memory.
+here (the LM head up to 3x). From a
+few hundred rows on (prefill chunks) MKL is as fast or faster, so those keep `F.linear`. The
+packed copy costs one more copy of each linear weight in host memory.
 MESHSERVE_DISABLE_CPU_KERNELS=1 turns it off.
 """
 from __future__ import annotations
@@ -14,6 +14,8 @@ import os
 
 import torch
 import torch.nn.functional as F
+
+PACKED_MAX_ROWS = 128  # crossover measured on SmolLM2's shapes, 2 AVX2 cores: ~150-250 rows
 
 
 def _enabled(weight: torch.Tensor) -> bool:
@@ -31,7 +33,7 @@ class PrepackedMatmul:
         self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach()) if _enabled(self.weight) else None
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if self._packed is not None and x.dim() == 2:
+        if self._packed is not None and x.dim() == 2 and x.shape[0] <= PACKED_MAX_ROWS:
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self._packed, bias, "none", [], "")
         return F.linear(x, self.weight, bias)
 
