@@ -46,6 +46,7 @@ class Engine:
     env: dict[str, str] = field(default_factory=dict)
     rows: list[dict] = field(default_factory=list)
     sweep: dict | None = None
+    sweep_it: bool = True  # variants run the loads only
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -63,6 +64,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-sweep", action="store_true", help="skip the highest-rate-meeting-the-SLO search")
     p.add_argument("--sweep-rates", default="0.5,1,1.5,2,2.5,3")
     p.add_argument("--meshserve-args", default="", help="extra flags for meshserve serve")
+    p.add_argument("--meshserve-variant", action="append", default=[], metavar="FLAGS",
+                   help="also run meshserve with these extra flags at every load (no sweep), e.g. "
+                        "'--prefill-chunk-with-decodes 64'; repeatable")
     p.add_argument("--vllm-args", default="", help="extra flags for vllm serve")
     p.add_argument("--calibration-file", default=None, help="planner calibration to use (default: measure now)")
     p.add_argument("--seed", type=int, default=0)
@@ -72,9 +76,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def engines(a: argparse.Namespace, model_dir: str) -> list[Engine]:
     max_len = str(max(1024, a.input_len + a.output_len + 64))
-    found = [Engine("meshserve", [sys.executable, "-m", "meshserve", "serve", model_dir, "--served-model-name",
-                                  SERVED_NAME, "--max-model-len", max_len, "--log-level", "warning",
-                                  *shlex.split(a.meshserve_args)])]
+    serve = [sys.executable, "-m", "meshserve", "serve", model_dir, "--served-model-name", SERVED_NAME,
+             "--max-model-len", max_len, "--log-level", "warning", *shlex.split(a.meshserve_args)]
+    found = [Engine("meshserve", serve)]
+    found += [Engine(f"meshserve {flags}", [*serve, *shlex.split(flags)], sweep_it=False)
+              for flags in a.meshserve_variant]
     if a.vllm_python:
         # Its best CPU configuration on a small machine: OpenMP on every core, none reserved; an
         # explicit KV budget (by default it wants 92% of the node's memory free), room for
@@ -115,6 +121,8 @@ async def measure(a: argparse.Namespace, found: list[Engine], urls: list[str]) -
     if a.no_sweep:
         return
     for engine, url in zip(found, urls):
+        if not engine.sweep_it:
+            continue
         async with Benchmark(bench_config(a, url, a.num_prompts)) as bench:
             sweep = SweepConfig("rate", parse_csv_floats(a.sweep_rates, "--sweep-rates"), refine_steps=2)
             engine.sweep = await run_sweep(bench, sweep, seed_offset=SWEEP_SEED_OFFSET)
@@ -201,7 +209,7 @@ def main(argv=None) -> int:
           f"{os.getloadavg()[0]:.1f} at the end\n")
     print(table(a, found, plan))
     if not a.no_sweep:
-        best = {e.name: e.sweep["max_load_meeting_slo"] for e in found}
+        best = {e.name: e.sweep["max_load_meeting_slo"] for e in found if e.sweep_it}
         print("\nhighest offered rate meeting the SLO (95% of requests): "
               + ", ".join(f"{n} {v if v is not None else 'none'} req/s" for n, v in best.items()))
         if best.get("vllm") and best.get("meshserve"):
