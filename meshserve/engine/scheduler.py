@@ -6,6 +6,10 @@ starved by a long prompt), then waiting ones in arrival order. A long prompt is 
 (chunked prefill), a prefix-cache hit simply starts a sequence with tokens already computed.
 When blocks run out, the most recently admitted running sequence is preempted: its blocks are freed
 and it waits at the head of the queue to be recomputed later (its generated tokens are kept).
+
+A sequence with a lease (a KV reservation) is never preempted and never waits for blocks: its blocks
+are held back from everyone else, so when the head of the queue cannot be admitted, leased sequences
+behind it still are.
 """
 from __future__ import annotations
 
@@ -67,20 +71,34 @@ class Scheduler:
             seq = self.running[i]
             start = seq.num_computed_tokens
             n = min(seq.num_tokens - start, budget)
+            stalled = False
             while not self.bm.allocate_slots(seq, n):
-                victim = self.running.pop()
+                victim = self._victim(i)
+                if victim is None:  # only leased sequences left to preempt: this one waits a step
+                    stalled = True
+                    break
+                self.running.remove(victim)
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is seq:
                     break
             if seq.status is not SequenceStatus.RUNNING:
                 break
+            i += 1
+            if stalled:
+                continue
             out.scheduled.append(ScheduledSeq(seq, start, n))
             budget -= n
-            i += 1
         # Admitting new work right after a preemption would only thrash the cache.
-        while not out.preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
+        blocked = False  # the queue's head did not fit: only leased sequences may pass it
+        w = 0
+        while not out.preempted and w < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[w]
+            if blocked and seq.lease is None:
+                if not self.bm.leases:
+                    break
+                w += 1
+                continue
             prefix = self.bm.find_cached_prefix(seq)
             start = len(prefix) * self.bm.block_size
             n = seq.num_tokens - start
@@ -88,8 +106,10 @@ class Scheduler:
                 break
             n = min(n, budget)
             if not self.bm.allocate_slots(seq, n, prefix):
-                break
-            self.waiting.popleft()
+                blocked = True
+                w += 1
+                continue
+            del self.waiting[w]
             if seq.num_cached_tokens < 0:  # first admission; a preempted sequence's return is not a query
                 seq.num_cached_tokens = start
                 self.bm.prefix_queries += seq.num_tokens
@@ -99,6 +119,14 @@ class Scheduler:
             out.scheduled.append(ScheduledSeq(seq, start, n))
             budget -= n
         return out
+
+    def _victim(self, first: int) -> Sequence | None:
+        """The most recently admitted running sequence without a lease, among those not scheduled
+        yet this step (from index `first` on)."""
+        for seq in reversed(self.running[first:]):
+            if seq.lease is None:
+                return seq
+        return None
 
     def _preempt(self, seq: Sequence) -> None:
         self.bm.free(seq)

@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import hmac
 import logging
+import time
 import uuid
+from typing import Callable
 
 from fastapi import FastAPI
 from starlette.datastructures import Headers
@@ -13,9 +15,12 @@ from starlette.responses import Response
 
 import meshserve
 from meshserve.api.errors import APIError, bad_request, error_body
-from meshserve.api.protocol import DetokenizeRequest, TokenizeRequest
+from meshserve.api.load import LOAD_HEADER
+from meshserve.api.protocol import DetokenizeRequest, ReservationRequest, TokenizeRequest
 from meshserve.api.sse import ClientDisconnected, JSONBytesResponse
 from meshserve.distributed.expert_load import summarize
+from meshserve.engine.messages import ReserveRequest
+from meshserve.server.engine_client import EngineCallError, EngineDeadError
 from meshserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from meshserve.server.serving import ServingContext, parse, read_json
 from meshserve.server.serving_chat import create_chat_completion
@@ -35,13 +40,16 @@ def error_response(err: APIError) -> Response:
 
 
 class RequestContextMiddleware:
-    """Pure ASGI (streams pass through untouched): X-Request-Id on every response, the API key,
-    and the declared body size, all checked before a route runs."""
+    """Pure ASGI (streams pass through untouched): X-Request-Id (and, given `load_report`, the
+    server's load figures) on every response, the API key, and the declared body size, all checked
+    before a route runs."""
 
-    def __init__(self, app, api_key: str | None, max_body_bytes: int) -> None:
+    def __init__(self, app, api_key: str | None, max_body_bytes: int,
+                 load_report: Callable[[], str] | None = None) -> None:
         self.app = app
         self.expected_auth = f"Bearer {api_key}".encode() if api_key else None
         self.max_body_bytes = max_body_bytes
+        self.load_report = load_report
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -60,6 +68,8 @@ class RequestContextMiddleware:
                 started = True
                 message["headers"] = [*message.get("headers", ()),
                                       (b"x-request-id", request_id.encode("latin-1"))]
+                if self.load_report is not None:
+                    message["headers"].append((LOAD_HEADER.lower().encode(), self.load_report().encode("ascii")))
             await send(message)
 
         error = self._precheck(scope, headers)
@@ -95,7 +105,7 @@ def build_app(ctx: ServingContext, metrics: ServerMetrics, engine_config: dict) 
     app = FastAPI(title="meshserve", version=meshserve.__version__, docs_url=None, redoc_url=None,
                   openapi_url=None)
     app.add_middleware(RequestContextMiddleware, api_key=ctx.config.api_key,
-                       max_body_bytes=ctx.config.max_body_bytes)
+                       max_body_bytes=ctx.config.max_body_bytes, load_report=ctx.load_report)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> Response:
@@ -121,7 +131,7 @@ def build_app(ctx: ServingContext, metrics: ServerMetrics, engine_config: dict) 
     async def models() -> Response:
         card = {"id": ctx.model_name, "object": "model", "created": ctx.created, "owned_by": "meshserve",
                 "root": str(engine_config.get("model") or ctx.model_name), "max_model_len": ctx.max_model_len,
-                "revision": ctx.model_info.get("revision")}
+                **ctx.identity}
         return JSONBytesResponse({"object": "list", "data": [card]})
 
     @app.get("/health")
@@ -146,14 +156,64 @@ def build_app(ctx: ServingContext, metrics: ServerMetrics, engine_config: dict) 
     async def server_info() -> Response:
         return JSONBytesResponse({"version": meshserve.__version__, "model": ctx.model_info,
                                   "served_model_name": ctx.model_name, "engine_config": engine_config,
-                                  "server_config": ctx.config.public_dict()})
+                                  "server_config": ctx.config.public_dict(), **ctx.identity,
+                                  "reservations": True})
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:
         req = parse(TokenizeRequest, await read_json(request, ctx.config.max_body_bytes))
         ctx.check_model(req.model)
-        tokens = await ctx.encode(req.prompt)
+        if (req.prompt is None) == (req.messages is None):
+            raise bad_request("send either prompt or messages", param="prompt")
+        if req.messages is not None:
+            tokens = await ctx.render_chat(req.messages, req.add_generation_prompt)
+        else:
+            tokens = await ctx.encode(req.prompt, add_special_tokens=req.add_special_tokens)
         return JSONBytesResponse({"tokens": tokens, "count": len(tokens), "max_model_len": ctx.max_model_len})
+
+    # ---- KV reservations: the engine grants or refuses, atomically for all its ranks ---------------
+    @app.post("/v1/reservations")
+    async def reserve(request: Request) -> Response:
+        req = parse(ReservationRequest, await read_json(request, ctx.config.max_body_bytes))
+        ctx.check_prompt_ids(req.prompt_token_ids, param="prompt_token_ids")
+        try:
+            lease = await ctx.client.reserve(ReserveRequest(req.prompt_token_ids, req.max_tokens, req.n, req.ttl_s,
+                                                            req.request_id, req.attempt_id))
+        except EngineDeadError as exc:
+            raise APIError(503, str(exc), code="engine_unavailable", headers={"Retry-After": "5"}) from None
+        except EngineCallError as exc:
+            code = "reservations_unsupported" if "does not support" in str(exc) else "invalid_parameter"
+            raise APIError(501 if code == "reservations_unsupported" else 400, str(exc), code=code) from None
+        if lease is None:
+            raise APIError(409, "not enough unreserved KV blocks for this request now",
+                           code="insufficient_kv_capacity", headers={"Retry-After": "1"})
+        lease["expires_at"] = round(time.time() + lease["expires_in_s"], 3)
+        return JSONBytesResponse(lease, status_code=201)
+
+    @app.delete("/v1/reservations/{lease_id}")
+    async def release(lease_id: str) -> Response:
+        try:
+            released = await ctx.client.release(lease_id)
+        except EngineDeadError:
+            released = False  # its leases died with it
+        except EngineCallError:
+            released = False
+        if not released:
+            raise APIError(404, f"reservation {lease_id!r} does not exist (it ended or expired)",
+                           code="reservation_not_found")
+        return JSONBytesResponse({"lease_id": lease_id, "released": True})
+
+    @app.get("/v1/reservations")
+    async def reservations() -> Response:
+        """The engines' own ledgers: every live lease, and the totals per engine."""
+        try:
+            engines = await ctx.client.leases()
+        except EngineCallError as exc:
+            raise APIError(501, str(exc), code="reservations_unsupported") from None
+        return JSONBytesResponse({
+            "num_blocks": sum(e["num_blocks"] for e in engines),
+            "reserved_blocks": sum(e["reserved_blocks"] for e in engines),
+            "leases": [lease for e in engines for lease in e.pop("leases")], "engines": engines})
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> Response:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import hashlib
 import json
 import time
 from collections import defaultdict
@@ -21,7 +22,8 @@ from meshserve.api.errors import (
     from_validation_error,
     from_value_error,
 )
-from meshserve.api.protocol import SamplingFields
+from meshserve.api.load import SSE_LOAD_PREFIX, format_load, load_from_stats
+from meshserve.api.protocol import ChatMessage, SamplingFields
 from meshserve.api.sse import (
     DONE,
     EventStreamResponse,
@@ -32,6 +34,7 @@ from meshserve.api.sse import (
 from meshserve.engine.messages import RequestDelta
 from meshserve.sampling_params import SamplingParams
 from meshserve.server.engine_client import (
+    EngineCallError,
     EngineClient,
     EngineDeadError,
     EngineRejectedError,
@@ -45,6 +48,8 @@ M = TypeVar("M", bound=BaseModel)
 _THREAD_TOKENIZE_CHARS = 20_000
 # JSON has no -inf; a token outside the sampling support gets this instead.
 _MIN_LOGPROB = -9999.0
+# A request that draws on a KV reservation (POST /v1/reservations) names it here.
+RESERVATION_HEADER = "x-reservation-id"
 
 
 def _reject_constant(name: str):
@@ -110,6 +115,16 @@ class ServingContext:
         self.model_name: str = str(info.model_info["id"])  # the served name when one was given
         self.created = int(time.time())
         self._token_strs: dict[int, str] = {}
+        # What a router needs to know before it trusts a prefix cached here: the weights, how text
+        # becomes tokens, and how the engine groups tokens into cache blocks.
+        self.identity = {"revision": info.model_info.get("revision"),
+                         "block_size": int(info.config.get("block_size") or 16),
+                         "tokenizer_hash": tokenizer_hash(self.tokenizer),
+                         "chat_template_hash": _digest(getattr(self.tokenizer, "chat_template", None) or "")}
+
+    def load_report(self) -> str:
+        """The X-Meshserve-Load value: this server's figures now."""
+        return format_load(load_from_stats(self.client.stats(), self.client.num_queued_seqs))
 
     # ---- checks -------------------------------------------------------------------------------
     def check_model(self, name: str | None) -> None:
@@ -188,6 +203,16 @@ class ServingContext:
         encode = functools.partial(self.tokenizer.encode, text, add_special_tokens=add_special_tokens)
         return await asyncio.to_thread(encode) if len(text) > _THREAD_TOKENIZE_CHARS else encode()
 
+    async def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
+        """Chat messages -> the prompt's token ids, as /v1/chat/completions and /tokenize see them."""
+        try:
+            text = self.tokenizer.apply_chat_template([_message(m) for m in messages],
+                                                      add_generation_prompt=add_generation_prompt)
+        except Exception as exc:  # the template's own checks (roles, order) speak for themselves
+            raise bad_request(f"messages: {exc}", param="messages") from None
+        # The template already wrote the special tokens it wants (as LLM.chat does).
+        return await self.encode(text, "messages", add_special_tokens=False)
+
     def token_str(self, token_id: int) -> str:
         s = self._token_strs.get(token_id)
         if s is None:
@@ -206,13 +231,15 @@ class ServingContext:
         A stream's headers go out only once the first output is there, so a request the engine
         rejects still gets a proper error status; after that, failures end the stream in-band."""
         self.admit(sum(params.n for _, _, params in engine_requests))
-        outputs = self.client.generate(engine_requests, arrival)
+        outputs = self.client.generate(engine_requests, arrival, lease_id=request.headers.get(RESERVATION_HEADER))
 
         async def run() -> Response:
             try:
                 if not view.req.stream:
                     return JSONBytesResponse(await view.collect(outputs))
                 first = await outputs.__anext__()
+            except EngineCallError as exc:  # the reservation it names cannot cover it
+                raise APIError(409, str(exc), code="reservation_invalid", request_id=view.request_id) from None
             except EngineRejectedError as exc:
                 raise from_value_error(exc) from None
             except EngineDeadError as exc:
@@ -293,12 +320,13 @@ class ResponseView:
         raise NotImplementedError
 
     def events(self, first: RequestDelta, outputs: AsyncIterator[RequestDelta]) -> AsyncIterator[bytes]:
-        return sse_stream(self.chunks(_chain(first, outputs)), outputs, self.request_id)
+        return sse_stream(self.chunks(_chain(first, outputs)), outputs, self.request_id, self.ctx.load_report)
 
 
 async def sse_stream(chunks: AsyncIterator[dict], outputs: AsyncIterator[RequestDelta],
-                     request_id: str) -> AsyncIterator[bytes]:
-    """SSE framing shared by both endpoints; a failure after the stream started is reported in-band."""
+                     request_id: str, load_report) -> AsyncIterator[bytes]:
+    """SSE framing shared by both endpoints; a failure after the stream started is reported in-band.
+    The server's load figures go last, in a comment line that SSE clients skip."""
     try:
         async for obj in chunks:
             yield sse_event(obj)
@@ -308,6 +336,7 @@ async def sse_stream(chunks: AsyncIterator[dict], outputs: AsyncIterator[Request
     finally:
         await chunks.aclose()
         await outputs.aclose()
+    yield SSE_LOAD_PREFIX + load_report().encode("ascii") + b"\n\n"
     yield DONE
 
 
@@ -315,6 +344,29 @@ async def _chain(first: RequestDelta, rest: AsyncIterator[RequestDelta]) -> Asyn
     yield first
     async for delta in rest:
         yield delta
+
+
+def _message(m: ChatMessage) -> dict:
+    if m.content is None:
+        content = ""
+    elif isinstance(m.content, str):
+        content = m.content
+    else:
+        content = "\n".join(part.text for part in m.content)
+    # Chat templates know "system"; OpenAI's newer name for it is "developer".
+    return {"role": "system" if m.role == "developer" else m.role, "content": content}
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
+
+
+def tokenizer_hash(tokenizer) -> str:
+    """A fingerprint of the vocabulary and merges (two replicas agree on token ids iff it matches)."""
+    identity = getattr(tokenizer, "identity", None)
+    if callable(identity):
+        return _digest(identity())
+    return _digest(f"{type(tokenizer).__name__}:{getattr(tokenizer, 'vocab_size', '')}")
 
 
 def clamp_logprob(value: float) -> float:
