@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from meshserve.config import EngineConfig
 from meshserve.engine.block_manager import BlockManager
-from meshserve.engine.messages import ReserveRequest, RequestDelta
+from meshserve.engine.messages import RequestDelta, ReserveRequest
 from meshserve.engine.output import RequestState
 from meshserve.engine.scheduler import Scheduler, SchedulerOutput
 from meshserve.engine.sequence import Sequence

@@ -5,23 +5,16 @@ from __future__ import annotations
 import asyncio
 import functools
 import hashlib
-import json
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, TypeVar
+from typing import Any, AsyncIterator
 
-from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 from starlette.responses import Response
 
-from meshserve.api.errors import (
-    APIError,
-    bad_request,
-    error_body,
-    from_validation_error,
-    from_value_error,
-)
+from meshserve.api.errors import APIError, bad_request, error_body, from_value_error
+from meshserve.api.json_body import parse, read_json  # noqa: F401  (the handlers import them from here)
 from meshserve.api.load import SSE_LOAD_PREFIX, format_load, load_from_stats
 from meshserve.api.protocol import ChatMessage, SamplingFields
 from meshserve.api.sse import (
@@ -42,60 +35,12 @@ from meshserve.server.engine_client import (
 )
 from meshserve.server.server_config import ServerConfig
 
-M = TypeVar("M", bound=BaseModel)
-
 # Tokenize long texts off the event loop so one huge prompt does not stall every other stream.
 _THREAD_TOKENIZE_CHARS = 20_000
 # JSON has no -inf; a token outside the sampling support gets this instead.
 _MIN_LOGPROB = -9999.0
 # A request that draws on a KV reservation (POST /v1/reservations) names it here.
 RESERVATION_HEADER = "x-reservation-id"
-
-
-def _reject_constant(name: str):
-    raise ValueError(f"{name} is not valid JSON")
-
-
-def _check_strings(obj: Any) -> None:
-    """Reject lone surrogates (JSON escapes like \\ud800): they cannot be encoded as UTF-8."""
-    stack = [obj]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, str):
-            item.encode("utf-8")
-        elif isinstance(item, list):
-            stack.extend(item)
-        elif isinstance(item, dict):
-            stack.extend(item.keys())
-            stack.extend(item.values())
-
-
-async def read_json(request: Request, limit: int) -> Any:
-    size, chunks = 0, []
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise APIError(413, f"request body is larger than {limit} bytes", code="request_too_large")
-        chunks.append(chunk)
-    try:
-        obj = json.loads(b"".join(chunks).decode("utf-8"), parse_constant=_reject_constant)
-        _check_strings(obj)
-    except UnicodeError as exc:
-        raise bad_request(f"request body is not valid UTF-8: {exc.reason}", code="invalid_json") from None
-    except RecursionError:
-        raise bad_request("request body is nested too deeply", code="invalid_json") from None
-    except ValueError as exc:  # JSONDecodeError and the constants above
-        raise bad_request(f"request body is not valid JSON: {exc}", code="invalid_json") from None
-    return obj
-
-
-def parse(model: type[M], obj: Any) -> M:
-    if not isinstance(obj, dict):
-        raise bad_request("request body must be a JSON object", code="invalid_json")
-    try:
-        return model.model_validate(obj)
-    except ValidationError as exc:
-        raise from_validation_error(exc) from None
 
 
 class ServingContext:
