@@ -15,6 +15,7 @@ from starlette.responses import Response
 
 from meshserve.api.errors import APIError, bad_request, error_body, from_value_error
 from meshserve.api.json_body import parse, read_json  # noqa: F401  (the handlers import them from here)
+from meshserve.api.limits import resolve_max_tokens
 from meshserve.api.load import SSE_LOAD_PREFIX, format_load, load_from_stats
 from meshserve.api.protocol import ChatMessage, SamplingFields
 from meshserve.api.sse import (
@@ -41,6 +42,9 @@ _THREAD_TOKENIZE_CHARS = 20_000
 _MIN_LOGPROB = -9999.0
 # A request that draws on a KV reservation (POST /v1/reservations) names it here.
 RESERVATION_HEADER = "x-reservation-id"
+# "1": every streamed choice also carries the ids of its new tokens (what a gateway needs to resume
+# a stream elsewhere), and chunks with tokens but no text yet are sent too.
+TOKEN_IDS_HEADER = "x-meshserve-token-ids"
 
 
 class ServingContext:
@@ -107,21 +111,7 @@ class ServingContext:
 
     def max_tokens(self, requested: int | None, prompt_len: int, default: int | None) -> int:
         """The output budget; prompt plus output must fit the context (checked before any model work)."""
-        room = self.max_model_len - prompt_len
-        if room < 1:
-            raise bad_request(f"the prompt has {prompt_len} tokens, which leaves no room for output in "
-                              f"this model's context of {self.max_model_len} tokens", param="prompt",
-                              code="context_length_exceeded")
-        if requested is None:
-            return room if default is None else min(default, room)
-        if requested < 1:
-            raise bad_request(f"max_tokens must be at least 1, got {requested}", param="max_tokens")
-        if requested > room:
-            raise bad_request(f"the prompt has {prompt_len} tokens and max_tokens is {requested}: "
-                              f"{prompt_len + requested} is over this model's context of "
-                              f"{self.max_model_len} tokens", param="max_tokens",
-                              code="context_length_exceeded")
-        return requested
+        return resolve_max_tokens(requested, prompt_len, self.max_model_len, default)
 
     def sampling_params(self, req: SamplingFields, max_tokens: int, logprobs: int | None) -> SamplingParams:
         if req.logit_bias:
@@ -176,6 +166,7 @@ class ServingContext:
         A stream's headers go out only once the first output is there, so a request the engine
         rejects still gets a proper error status; after that, failures end the stream in-band."""
         self.admit(sum(params.n for _, _, params in engine_requests))
+        view.return_token_ids = request.headers.get(TOKEN_IDS_HEADER) == "1"
         outputs = self.client.generate(engine_requests, arrival, lease_id=request.headers.get(RESERVATION_HEADER))
 
         async def run() -> Response:
@@ -230,6 +221,7 @@ class ResponseView:
         self.prompt_tokens = prompt_tokens
         self.created = int(time.time())
         self.include_usage = req.stream_options is not None and req.stream_options.include_usage
+        self.return_token_ids = False
 
     def choice_index(self, request_id: str, sample_index: int) -> int:
         return sample_index

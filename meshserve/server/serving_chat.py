@@ -74,10 +74,13 @@ class _ChatView(ResponseView):
         async for delta in outputs:
             for s in delta.outputs:
                 completion_tokens += len(s.token_ids)
-                if not s.text and s.finish_reason is None and not self.req.logprobs:
+                if not s.text and s.finish_reason is None and not self.req.logprobs and not self.return_token_ids:
                     continue  # nothing to show yet (e.g. half of a multi-byte character)
                 logprobs = self._logprobs(s.token_ids, s.logprobs) if self.req.logprobs else None
-                yield self.body([{"index": s.index, "delta": {"content": s.text} if s.text else {},
-                                  "logprobs": logprobs, "finish_reason": s.finish_reason}], chunk=True)
+                choice = {"index": s.index, "delta": {"content": s.text} if s.text else {},
+                          "logprobs": logprobs, "finish_reason": s.finish_reason}
+                if self.return_token_ids:
+                    choice["token_ids"] = s.token_ids
+                yield self.body([choice], chunk=True)
         if self.include_usage:
             yield self.usage_chunk(completion_tokens)
