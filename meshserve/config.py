@@ -29,6 +29,8 @@ class EngineConfig:
     block_size: int = 16
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
+    # While sequences decode, prompts join a step at most this many tokens at a time (None: no cap).
+    prefill_chunk_with_decodes: int | None = None
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float = 0.9
     tensor_parallel_size: int = 1
@@ -55,7 +57,7 @@ class EngineConfig:
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         for name in ("max_num_seqs", "block_size", "tensor_parallel_size", "pipeline_parallel_size"):
             _positive_int(name, getattr(self, name))
-        for name in ("max_model_len", "max_num_batched_tokens", "kv_cache_memory_bytes"):
+        for name in ("max_model_len", "max_num_batched_tokens", "kv_cache_memory_bytes", "prefill_chunk_with_decodes"):
             if getattr(self, name) is not None:
                 _positive_int(name, getattr(self, name))
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
@@ -123,6 +125,10 @@ class EngineConfig:
         g.add_argument("--block-size", type=int, default=16)
         g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
         g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
+        g.add_argument("--prefill-chunk-with-decodes", type=int, default=None, metavar="N",
+                       help="while sequences decode, new prompts join a step at most N tokens at a time "
+                            "(lower inter-token latency for running streams, a little later first tokens "
+                            "for new ones; default: no cap)")
         g.add_argument("--kv-cache-memory", dest="kv_cache_memory_bytes", type=_parse_bytes, default=None,
                        metavar="BYTES", help="KV cache budget per rank, e.g. 2GiB or 500000000")
         g.add_argument("--gpu-memory-utilization", type=float, default=0.9)

@@ -30,6 +30,7 @@ class RankTiming:
     rank: int
     compute_s: float = 0.0
     comm_s: dict[str, float] = field(default_factory=dict)
+    sample_s: float = 0.0  # of the step's wall time, the part in the sampler (the sampling rank only)
 
     @property
     def comm_total_s(self) -> float:

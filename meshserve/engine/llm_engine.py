@@ -6,6 +6,7 @@ Each request with n samples becomes n sequences that share the prompt (and its c
 from __future__ import annotations
 
 import logging
+import sys
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -17,6 +18,7 @@ from meshserve.engine.output import RequestState
 from meshserve.engine.scheduler import Scheduler, SchedulerOutput
 from meshserve.engine.sequence import Sequence
 from meshserve.engine.step import SeqStep, StepInput
+from meshserve.engine.step_timeline import StepTimeline
 from meshserve.models.loader import resolve_model
 from meshserve.sampling_params import SamplingParams
 from meshserve.tokenizer import Tokenizer
@@ -48,6 +50,8 @@ class EngineStats:
     parallel_timing: dict = field(default_factory=dict)
     # MoE models: tokens routed to each expert of each layer ({} for dense): Executor.expert_load_snapshot().
     expert_load: dict = field(default_factory=dict)
+    # Seconds of the last step in each phase (engine/step_timeline.py); "ipc" is added by the engine process.
+    step_phases: dict = field(default_factory=dict)
 
 
 class LLMEngine:
@@ -88,7 +92,7 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching,
                                           extra_hash_key=self.source.revision)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, self.max_num_batched_tokens,
-                                   config.enable_chunked_prefill)
+                                   config.enable_chunked_prefill, config.prefill_chunk_with_decodes)
         self.requests: dict[str, RequestState] = {}
         self.seq_to_request: dict[int, RequestState] = {}
         self._finished_seq_ids: list[int] = []
@@ -96,6 +100,7 @@ class LLMEngine:
         self.num_generation_tokens = 0
         self.last_step_compute_s = 0.0
         self.last_step_comm_s = 0.0
+        self.timeline = StepTimeline()
         kv_tokens = num_blocks * config.block_size
         logger.info("model %s (revision %s): %d blocks x %d tokens = %d KV tokens (%.2f GiB per rank); "
                     "max_model_len %d, so at most %.2fx concurrency at full length",
@@ -178,6 +183,7 @@ class LLMEngine:
         A step that raises (a bug, a kernel error, out of memory) fails only the requests in it, with
         finish_reason "error"; its blocks are freed and none of them stays in the prefix cache. A dead
         rank (WorkerFailure) is not contained: the executor is gone, so the engine is too."""
+        t0 = time.perf_counter()
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
@@ -186,8 +192,11 @@ class LLMEngine:
             m = self.seq_to_request[item.seq.seq_id].metrics
             if m.first_scheduled_time is None:
                 m.first_scheduled_time = now
+        t1 = time.perf_counter()
         try:
-            result = self.executor.execute(self._step_input(sched))
+            step_input = self._step_input(sched)
+            t2 = time.perf_counter()
+            result = self.executor.execute(step_input)
         except WorkerFailure:
             raise
         except Exception as exc:
@@ -195,10 +204,15 @@ class LLMEngine:
         except BaseException:  # KeyboardInterrupt: the caller aborts its requests
             self.block_manager.rollback_step()
             raise
+        t3 = time.perf_counter()
         self.block_manager.commit_step()
         self.last_step_compute_s = result.compute_s
         self.last_step_comm_s = sum(result.comm_s.values())
-        return self._update(sched, result.sampled)
+        deltas = self._update(sched, result.sampled)
+        sample_s = max((t.sample_s for t in result.rank_timings), default=0.0)
+        self.timeline.record({"schedule": t1 - t0, "prepare": t2 - t1, "forward": t3 - t2 - sample_s,
+                              "sample": sample_s, "output": time.perf_counter() - t3})
+        return deltas
 
     def _fail_step(self, sched: SchedulerOutput, exc: Exception) -> list[RequestDelta]:
         logger.error("an engine step failed (%s: %s); failing the %d request(s) in it",
@@ -338,7 +352,8 @@ class LLMEngine:
                            bm.reserved_blocks, len(bm.leases), pending, bm.block_size,
                            self.last_step_compute_s, self.last_step_comm_s,
                            parallel_timing=self.executor.timing_snapshot(),
-                           expert_load=self.executor.expert_load_snapshot())
+                           expert_load=self.executor.expert_load_snapshot(),
+                           step_phases=dict(self.timeline.last))
 
     def check_health(self) -> None:
         """Raise (WorkerFailure) if a rank is gone, even while no request is running."""
@@ -350,4 +365,6 @@ class LLMEngine:
         return self.executor.sentinels(), self.executor.health_check_interval
 
     def shutdown(self) -> None:
+        if self.config.profile and self.timeline.steps:
+            print(self.timeline.table(), file=sys.stderr)
         self.executor.shutdown()

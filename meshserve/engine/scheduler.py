@@ -48,11 +48,12 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 enable_chunked_prefill: bool = True):
+                 enable_chunked_prefill: bool = True, prefill_chunk_with_decodes: int | None = None):
         self.bm = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
+        self.prefill_chunk_with_decodes = prefill_chunk_with_decodes
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -66,11 +67,18 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
+        prefill_left = self._prefill_allowance()
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             start = seq.num_computed_tokens
             n = min(seq.num_tokens - start, budget)
+            prefilling = n > 1  # a prompt still being prefilled, chunk by chunk
+            if prefilling:
+                n = min(n, prefill_left)
+                if n == 0:
+                    i += 1
+                    continue
             stalled = False
             while not self.bm.allocate_slots(seq, n):
                 victim = self._victim(i)
@@ -87,6 +95,8 @@ class Scheduler:
             i += 1
             if stalled:
                 continue
+            if prefilling:
+                prefill_left -= n
             out.scheduled.append(ScheduledSeq(seq, start, n))
             budget -= n
         # Admitting new work right after a preemption would only thrash the cache.
@@ -104,11 +114,14 @@ class Scheduler:
             n = seq.num_tokens - start
             if n > budget and not self.enable_chunked_prefill:
                 break
-            n = min(n, budget)
+            n = min(n, budget, prefill_left)
+            if n <= 0:
+                break
             if not self.bm.allocate_slots(seq, n, prefix):
                 blocked = True
                 w += 1
                 continue
+            prefill_left -= n
             del self.waiting[w]
             if seq.num_cached_tokens < 0:  # first admission; a preempted sequence's return is not a query
                 seq.num_cached_tokens = start
@@ -127,6 +140,16 @@ class Scheduler:
             if seq.lease is None:
                 return seq
         return None
+
+    def _prefill_allowance(self) -> int | float:
+        """Prompt tokens this step may compute. With a cap set and sequences decoding, prompts join
+        the step at most `prefill_chunk_with_decodes` tokens at a time, so that a long prompt is
+        spread over several steps instead of stalling every running stream for one long step."""
+        cap = self.prefill_chunk_with_decodes
+        if cap is None or not self.enable_chunked_prefill:
+            return float("inf")
+        decoding = any(s.num_tokens - s.num_computed_tokens == 1 for s in self.running)
+        return cap if decoding else float("inf")
 
     def _preempt(self, seq: Sequence) -> None:
         self.bm.free(seq)

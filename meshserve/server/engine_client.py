@@ -117,7 +117,7 @@ class EngineClient:
                  policy: SupervisorPolicy | None = None) -> None:
         """`factories`: one picklable callable per engine, building it inside the engine process.
         `listener`: gets on_tokens(state, now), on_finished(state, delta, now), on_aborted(n),
-        on_failed(n). `placements`: each engine's devices (default: single-rank replicas sharing
+        on_failed(n), on_step(phase seconds), on_delivered(seconds). `placements`: each engine's devices (default: single-rank replicas sharing
         the CPU cores)."""
         placements = list(placements or place(len(factories), 1, available_cores()))
         self._replicas = [_Replica(r, f, p) for r, (f, p) in enumerate(zip(factories, placements))]
@@ -290,6 +290,8 @@ class EngineClient:
         kind = msg[0]
         if kind == "step":
             _, now, deltas, r.stats = msg
+            if self.listener is not None:
+                self.listener.on_step(r.stats.get("step_phases") or {})
             for delta in deltas:
                 self._on_delta(delta, now)
         elif kind == "stats":
@@ -399,7 +401,7 @@ class EngineClient:
             if delta.error is not None:
                 state.sink.put_nowait(EngineRequestFailed(delta.error))
                 return
-        state.sink.put_nowait(delta)
+        state.sink.put_nowait((delta, now))
 
     def _finish(self, request_id: str) -> RequestState | None:
         state = self._requests.pop(request_id, None)
@@ -461,9 +463,12 @@ class EngineClient:
                 item = await sink.get()
                 if isinstance(item, Exception):
                     raise item
-                if item.finished:
-                    pending.discard(item.request_id)
-                yield item
+                delta, step_time = item
+                if self.listener is not None:  # engine step done -> handed to the HTTP handler
+                    self.listener.on_delivered(time.monotonic() - step_time)
+                if delta.finished:
+                    pending.discard(delta.request_id)
+                yield delta
         finally:
             if pending:
                 self.abort(pending)

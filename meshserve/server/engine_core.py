@@ -51,6 +51,7 @@ class EngineLoop:
         self.inbox = inbox
         self.outbox = outbox
         self._last_stats: dict | None = None
+        self._last_ipc_s: float | None = None
 
     def run(self) -> None:
         engine = self.engine
@@ -66,7 +67,13 @@ class EngineLoop:
                 deltas = engine.step()
                 now = time.monotonic()
                 self._last_stats = self._stats()
+                if self._last_ipc_s is not None:  # the previous step's send, measured after it went out
+                    self._last_stats.setdefault("step_phases", {})["ipc"] = self._last_ipc_s
                 self.outbox.send(("step", now, deltas, self._last_stats))
+                self._last_ipc_s = time.monotonic() - now
+                timeline = getattr(engine, "timeline", None)
+                if timeline is not None:
+                    timeline.add("ipc", self._last_ipc_s)
 
     def _wait_for_work(self) -> bool:
         """Idle: block until ops arrive (False: shutdown). A rank that dies meanwhile wakes us, and
@@ -122,9 +129,14 @@ class EngineLoop:
 
     def _send_stats_if_changed(self) -> None:
         stats = self._stats()
-        if stats != self._last_stats:
+        # The last step's phase times are not news once idle: only the state of the engine counts.
+        if _without_phases(stats) != _without_phases(self._last_stats):
             self._last_stats = stats
             self.outbox.send(("stats", stats))
+
+
+def _without_phases(stats: dict | None) -> dict | None:
+    return None if stats is None else {k: v for k, v in stats.items() if k != "step_phases"}
 
 
 def _exit_when_front_end_goes(parent_alive: Connection) -> None:

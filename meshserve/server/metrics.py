@@ -22,6 +22,8 @@ _TTFT_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0,
                  50.0, 100.0, 200.0, 500.0)
 _ITL_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0,
                 2.0, 5.0, 10.0)
+_PHASE_BUCKETS = (0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0,
+                  2.0, 5.0)
 _E2E_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0,
                 500.0, 1000.0, 2000.0)
 
@@ -66,6 +68,12 @@ class ServerMetrics:
                              buckets=_E2E_BUCKETS, registry=self.registry)
         self.success = Counter(PREFIX + "request_success", "Finished requests by finish reason.",
                                ["finished_reason"], registry=self.registry)
+        self.step_phase = Histogram(PREFIX + "engine_step_phase_seconds",
+                                    "Engine step time by phase (schedule, prepare, forward, sample, output, ipc).",
+                                    ["phase"], buckets=_PHASE_BUCKETS, registry=self.registry)
+        self.delivery = Histogram(PREFIX + "stream_delivery_seconds",
+                                  "From the engine step that produced output to its HTTP handler.",
+                                  buckets=_PHASE_BUCKETS, registry=self.registry)
         self.registry.register(_EngineStatsCollector(read_stats))
 
     def on_tokens(self, state, now: float) -> None:
@@ -78,6 +86,13 @@ class ServerMetrics:
         self.e2e.observe(now - state.arrival_time)
         reasons = [s.finish_reason for s in delta.outputs if s.finish_reason]
         self.success.labels(finished_reason=reasons[-1] if reasons else "stop").inc()
+
+    def on_step(self, phases: dict[str, float]) -> None:
+        for phase, seconds in phases.items():
+            self.step_phase.labels(phase=phase).observe(seconds)
+
+    def on_delivered(self, seconds: float) -> None:
+        self.delivery.observe(seconds)
 
     def on_aborted(self, count: int) -> None:
         self.success.labels(finished_reason="abort").inc(count)

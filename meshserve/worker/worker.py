@@ -101,13 +101,15 @@ class Worker:
                     self._inflight.append((ps.isend(out, self.next_rank), out))
                 elif sample_rows:
                     rows.append(out[to_device(sample_rows, torch.long, out.device)])
-            sampled = None
+            sampled, sample_s = None, 0.0
             if ps.is_last_stage:
+                t_sample = time.perf_counter()
                 sampled = runner.sample(step, torch.cat(rows) if rows else None)
+                sample_s = time.perf_counter() - t_sample
             if ps.device.type == "cuda":  # the step's one sync (free on the sampling rank, which has read its tokens)
                 torch.cuda.synchronize(ps.device)
         comm = ps.comm_timer.take()
-        timing = RankTiming(self.rank, time.perf_counter() - t0 - sum(comm.values()), comm)
+        timing = RankTiming(self.rank, time.perf_counter() - t0 - sum(comm.values()), comm, sample_s)
         return sampled, timing, runner.take_expert_counts()
 
     def close(self) -> None:

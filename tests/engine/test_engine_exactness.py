@@ -62,6 +62,7 @@ BLOCK_BYTES = 2 * 30 * 3 * 64 * 16 * 4  # SmolLM2 float32, 16-token blocks
     ("prefix_caching", dict(enable_prefix_caching=True)),
     ("no_prefix_caching", dict(enable_prefix_caching=False)),
     ("chunked_prefill", dict(max_num_batched_tokens=48)),
+    ("prefill_chunks_with_decodes", dict(max_num_batched_tokens=48, prefill_chunk_with_decodes=16)),
     ("preemption", dict(kv_cache_memory_bytes=40 * BLOCK_BYTES, max_model_len=512)),
 ])
 def test_greedy_matches_transformers(reference, name, kwargs):
@@ -75,9 +76,14 @@ def test_greedy_matches_transformers(reference, name, kwargs):
     real_schedule = engine.scheduler.schedule
     seen_batches = []
 
+    capped_steps = []
+
     def spy():
         out = real_schedule()
         seen_batches.append(out.num_batched_tokens)
+        prefill = sum(s.num_tokens for s in out.scheduled if s.num_tokens > 1)
+        if any(s.num_tokens == 1 for s in out.scheduled) and prefill:
+            capped_steps.append(prefill)
         return out
 
     engine.scheduler.schedule = spy
@@ -91,5 +97,7 @@ def test_greedy_matches_transformers(reference, name, kwargs):
         assert engine.scheduler.num_preemptions > 0
     if name == "chunked_prefill":
         assert max(seen_batches) == 48
+    if name == "prefill_chunks_with_decodes":  # prompts joined decoding steps in chunks of <= 16
+        assert capped_steps and max(capped_steps) <= 16
     if name == "prefix_caching":
         assert engine.block_manager.prefix_hits > 0

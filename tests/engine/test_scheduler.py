@@ -94,3 +94,25 @@ def test_preempted_sequence_resumes_with_its_tokens():
     run(sched, [a, b], max_tokens=10)
     assert a.output_token_ids == [7] * 10 and b.output_token_ids == [7] * 10
     assert sched.num_preemptions > 0 and bm.num_free_blocks == 6
+
+
+def test_prefill_chunks_are_capped_while_sequences_decode():
+    bm = BlockManager(64, 4)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=100, prefill_chunk_with_decodes=8)
+    first = Sequence("a", 0, list(range(20)), SamplingParams(), 0.0)
+    sched.add(first)
+    out = sched.schedule()  # nothing decodes yet: the whole prompt at once
+    assert [(s.start, s.num_tokens) for s in out.scheduled] == [(0, 20)]
+    first.num_computed_tokens = 20
+    first.token_ids.append(7)  # it now decodes
+    long = Sequence("b", 0, list(range(100, 130)), SamplingParams(), 0.0)
+    sched.add(long)
+    chunks = []
+    for _ in range(4):
+        out = sched.schedule()
+        assert (out.scheduled[0].seq, out.scheduled[0].num_tokens) == (first, 1)  # never stalled
+        chunks += [s.num_tokens for s in out.scheduled if s.seq is long]
+        for s in out.scheduled:
+            s.seq.num_computed_tokens = s.start + s.num_tokens
+        first.token_ids.append(7)
+    assert chunks == [8, 8, 8, 6]  # the 30-token prompt in chunks of at most 8

@@ -43,6 +43,11 @@ def _step_times(engine, n: int) -> list[float]:
     return times
 
 
+def _typical_step(engine, blocks: int = 5, steps: int = 40) -> float:
+    """The quietest block's median step time: other processes on a shared machine only add time."""
+    return min(statistics.median(_step_times(engine, steps)) for _ in range(blocks))
+
+
 def test_host_work_per_step_does_not_grow_with_output_length(tmp_path):
     engine = _engine(tmp_path)
     params = SamplingParams(temperature=0, max_tokens=LONG + 400, ignore_eos=True, logprobs=2,
@@ -50,11 +55,11 @@ def test_host_work_per_step_does_not_grow_with_output_length(tmp_path):
     engine.add_request("long", list(range(2000, 2032)), params)
     engine.step()  # prefill
     _step_times(engine, 40)
-    short = _step_times(engine, 200)  # at 40-240 tokens
+    short = _typical_step(engine)  # at 40-240 tokens
     while len(engine.requests["long"].samples[0].token_ids) < LONG:
         engine.step()
-    long = _step_times(engine, 200)  # at ~4,000 tokens
-    ratio = statistics.median(long) / statistics.median(short)
+    long = _typical_step(engine)  # at ~4,000 tokens
+    ratio = long / short
     assert ratio < 1.5, f"a step at {LONG} tokens costs {ratio:.2f}x a step at 40-240"
     out = engine.requests["long"]
     assert len(out.samples[0].token_ids) >= LONG and engine.has_unfinished_requests()

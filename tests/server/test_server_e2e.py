@@ -118,6 +118,19 @@ def test_32_concurrent_streams_each_get_their_own_answer(server, stack):
     assert asyncio.run(run()) == [stack.expected[p] for p in CONCURRENT_PROMPTS]
 
 
+def test_metrics_show_where_a_served_step_went(server):
+    """Every phase of the engine's steps, and the delivery to the HTTP handlers, reach /metrics."""
+    httpx.post(server.url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 4, "stream": True},
+               timeout=60)
+    text = httpx.get(server.url + "/metrics").text
+    for phase in ("schedule", "prepare", "forward", "sample", "output", "ipc"):
+        assert metric(text, f'meshserve:engine_step_phase_seconds_count{{phase="{phase}"}}') > 0, phase
+    assert metric(text, "meshserve:stream_delivery_seconds_count") > 0
+    forward = metric(text, 'meshserve:engine_step_phase_seconds_sum{phase="forward"}')
+    schedule = metric(text, 'meshserve:engine_step_phase_seconds_sum{phase="schedule"}')
+    assert forward > schedule  # the model pass, not the bookkeeping, is where a CPU step goes
+
+
 def test_disconnected_clients_leave_kv_usage_at_idle(server):
     def scrape() -> str:
         return httpx.get(server.url + "/metrics").text

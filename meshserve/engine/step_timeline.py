@@ -1,0 +1,35 @@
+"""Where an engine step's time goes: schedule, prepare (pack the step for the ranks), forward (the
+ranks' model pass, with their communication and the engine<->rank transport), sample, output
+(detokenize, stop checks, deltas), and ipc (the engine process sending the step to the front end).
+
+The engine records each step's phases; the last step's go out with the engine stats (the server
+observes them in `meshserve:engine_step_phase_seconds{phase}`) and totals make the `--profile` table.
+"""
+from __future__ import annotations
+
+PHASES = ("schedule", "prepare", "forward", "sample", "output", "ipc")
+
+
+class StepTimeline:
+    def __init__(self) -> None:
+        self.last: dict[str, float] = {}
+        self.totals = dict.fromkeys(PHASES, 0.0)
+        self.steps = 0
+
+    def record(self, phases: dict[str, float]) -> None:
+        self.last = phases
+        self.steps += 1
+        for phase, seconds in phases.items():
+            self.totals[phase] += seconds
+
+    def add(self, phase: str, seconds: float) -> None:
+        """A phase measured after its step was recorded (ipc: the step's message goes out last)."""
+        self.totals[phase] += seconds
+        self.last = {**self.last, phase: seconds}
+
+    def table(self) -> str:
+        total = sum(self.totals.values()) or 1.0
+        n = max(1, self.steps)
+        rows = [f"{'phase':<10}{'total s':>10}{'ms/step':>10}{'share':>8}"]
+        rows += [f"{p:<10}{s:>10.3f}{s / n * 1e3:>10.3f}{s / total:>8.1%}" for p, s in self.totals.items()]
+        return f"engine step phases over {self.steps} steps:\n" + "\n".join(rows)
