@@ -36,8 +36,9 @@ def register(subparsers) -> None:
     p.set_defaults(func=run)
 
 
-def add_gateway_options(p: argparse.ArgumentParser, d) -> None:
-    """The gateway's tuning flags (also offered by `meshserve serve --gateway`)."""
+def add_gateway_options(p: argparse.ArgumentParser, d, shared: bool = True) -> None:
+    """The gateway's tuning flags (also offered by `meshserve serve --gateway`, which has its own
+    --api-key and --log-level: `shared=False` leaves those out)."""
     g = p.add_argument_group("cache_aware cost: max(0, P - c*m) + Q + beta*D over replicas within the slack")
     g.add_argument("--prefix-credit", type=float, default=d.prefix_credit, metavar="C",
                    help="c: prefill tokens saved per cached prompt token (default: %(default)s)")
@@ -67,8 +68,9 @@ def add_gateway_options(p: argparse.ArgumentParser, d) -> None:
                    help="continue a greedy or seeded stream on another replica when its replica fails")
     a = p.add_argument_group("admission")
     a.add_argument("--tenants", default=None, metavar="FILE", help="TOML: API keys, concurrency limits, token quotas")
-    a.add_argument("--api-key", default=os.environ.get("MESHSERVE_API_KEY"), metavar="KEY",
-                   help="without --tenants: require 'Authorization: Bearer KEY' (default: $MESHSERVE_API_KEY)")
+    if shared:
+        a.add_argument("--api-key", default=os.environ.get("MESHSERVE_API_KEY"), metavar="KEY",
+                       help="without --tenants: require 'Authorization: Bearer KEY' (default: $MESHSERVE_API_KEY)")
     a.add_argument("--lease-ttl", type=float, default=10.0, metavar="S",
                    help="an unused KV reservation ends after this long (default: %(default)s)")
     a.add_argument("--max-queued", type=int, default=1024, metavar="N",
@@ -78,7 +80,8 @@ def add_gateway_options(p: argparse.ArgumentParser, d) -> None:
     o = p.add_argument_group("observability")
     o.add_argument("--trace-file", default=None, metavar="FILE", help="write OpenTelemetry spans as JSON lines")
     o.add_argument("--otlp-endpoint", default=None, metavar="URL", help="export spans over OTLP/HTTP")
-    o.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    if shared:
+        o.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
 def config_from_args(args: argparse.Namespace, backends: list[str], host: str, port: int):
