@@ -55,6 +55,10 @@ class Deadline:
                               f"got {value!r}", code="invalid_header")
         return cls(time.monotonic() + ms / 1000)
 
+    @classmethod
+    def after(cls, seconds: float) -> "Deadline":
+        return cls(time.monotonic() + seconds)
+
     def remaining(self) -> float:
         return self.at - time.monotonic()
 
@@ -180,7 +184,7 @@ class Admission:
         """A request ended or a replica came back: waiting requests may fit now."""
         self._kick.set()
 
-    async def admit(self, req: AdmissionRequest, may_wait: bool = True) -> Placement:
+    async def admit(self, req: AdmissionRequest) -> Placement:
         """A placement, or APIError: 503 when no healthy replica serves the model or the deadline
         passes first, 429 when the queue is full."""
         if not self.replicas.compatible(req.model, req.like):
@@ -190,9 +194,6 @@ class Admission:
             placement = await self.try_place(req)
             if placement is not None:
                 return placement
-        if not may_wait:
-            raise APIError(503, "no other healthy replica can take the request now", code="no_healthy_replica",
-                           headers={"Retry-After": "1"})
         if self.waiting >= self.config.max_queued:
             raise APIError(429, f"the admission queue is full ({self.config.max_queued} requests)",
                            code="queue_full", headers={"Retry-After": "1"})

@@ -119,15 +119,17 @@ class FailureProtocol:
         self.budget = RetryBudget(config.retry_budget_ratio, config.retry_budget_min)
 
     # ---- placing and sending one attempt -------------------------------------------------
-    async def _place(self, greq: GatewayRequest, prompt_ids: list[int], max_tokens: int, may_wait: bool) -> Placement:
+    async def _place(self, greq: GatewayRequest, prompt_ids: list[int], max_tokens: int,
+                     deadline: Deadline | None = None) -> Placement:
+        """A replica and its lease; waits (fairly, bounded by the deadline) while none has room."""
         route = RouteRequest(prompt_ids, greq.like.cache_scope(greq.tenant.name), greq.like.block_size,
                              greq.like.hash_root)
         areq = AdmissionRequest(greq.tenant.name, greq.like.model, greq.like, route, max_tokens, greq.n,
-                                greq.request_id, str(greq.attempts + 1), greq.deadline,
+                                greq.request_id, str(greq.attempts + 1), deadline or greq.deadline,
                                 reserve=greq.reservable, exclude=set(greq.exclude))
         with self.tracing.tracer.start_as_current_span("queue", context=trace.set_span_in_context(greq.span)) as span:
             started = time.monotonic()
-            placement = await self.admission.admit(areq, may_wait=may_wait)
+            placement = await self.admission.admit(areq)
             span.set_attribute("meshserve.replica", placement.replica.label)
             if greq.attempts == 0:
                 self.metrics.queue_wait.observe(time.monotonic() - started)
@@ -192,7 +194,7 @@ class FailureProtocol:
         self.budget.deposit()
         retried = False
         while True:
-            placement = await self._place(greq, greq.prompt_ids, greq.max_tokens, may_wait=not retried)
+            placement = await self._place(greq, greq.prompt_ids, greq.max_tokens)
             body = self._first_body(greq)
             try:
                 return await self._attempt(greq, placement, greq.endpoint, body, greq.prompt_tokens)
@@ -265,13 +267,14 @@ class FailureProtocol:
                     self._failed(attempt, failure)
                     if shaper.finished:  # everything was sent but [DONE]: nothing is lost
                         break
-                    attempt = await self._resume(greq, shaper, failure)
-                    if attempt is None:
+                    resumed = await self._resume(greq, shaper, failure)
+                    if resumed is None:
                         greq.outcome = "partial_failure"
                         self.metrics.partial_failures.inc()
                         yield sse_event(error_body(500, f"generation failed after the stream started: {failure}",
                                                    code="partial_stream_failure", request_id=greq.request_id))
                         break
+                    attempt = resumed
                     for out in await self._gap(greq, shaper, attempt):
                         yield sse_event(out)
             greq.completion_tokens = shaper.completion_tokens
@@ -301,7 +304,8 @@ class FailureProtocol:
                 body[name] = greq.body[name]
         body["min_tokens"] = max(0, int(greq.body.get("min_tokens") or 0) - len(sent))
         try:
-            placement = await self._place(greq, prompt, remaining, may_wait=False)
+            # The client is mid-stream: the continuation waits for room like a new request would.
+            placement = await self._place(greq, prompt, remaining, Deadline.after(self.config.max_queue_wait_s))
             attempt = await self._attempt(greq, placement, "/v1/completions", body, len(prompt))
         except (APIError, AttemptFailed) as exc:
             logger.warning("request %s: could not resume the stream: %s", greq.request_id, exc)

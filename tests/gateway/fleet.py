@@ -185,7 +185,7 @@ async def stream(session: aiohttp.ClientSession, base: str, body: dict, headers:
     async with session.post(base + "/v1/completions", json={**body, "stream": True}, headers=headers or {}) as resp:
         if resp.status != 200:
             return StreamResult(resp.status, headers=dict(resp.headers), body=await resp.json(content_type=None))
-        out = StreamResult(200, events=[], headers=dict(resp.headers))
+        out = StreamResult(200, events=[], headers={k.lower(): v for k, v in resp.headers.items()})
         async for raw in resp.content:
             line = raw.decode().strip()
             if not line.startswith("data:"):
