@@ -240,11 +240,11 @@ class Admission:
                 pass
 
     async def _round(self) -> bool:
-        """Offer each tenant's oldest waiting request one try; True if any was placed."""
+        """Offer each tenant's oldest waiting request one try, in turn; True if any was placed. A
+        tenant whose request was placed goes to the back of the line, so the next capacity that
+        frees goes to another tenant first, however many requests the first one queued."""
         placed = False
-        for _ in range(len(self._turn)):
-            tenant = self._turn[0]
-            self._turn.rotate(-1)
+        for tenant in list(self._turn):
             queue = self._queues.get(tenant)
             while queue and queue[0].future.done():
                 queue.popleft()  # its wait ended (deadline, client gone)
@@ -261,6 +261,8 @@ class Admission:
             else:
                 waiter.future.set_result(placement)
                 placed = True
+            self._turn.remove(tenant)
+            self._turn.append(tenant)
         return placed
 
     async def try_place(self, req: AdmissionRequest) -> Placement | None:

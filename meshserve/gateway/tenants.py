@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from meshserve.api.errors import APIError
 
 DEFAULT_TENANT = "default"
+_EPSILON = 1e-6
 
 
 @dataclass
@@ -61,8 +62,8 @@ class TokenBucket:
     def take(self, n: float) -> float:
         """Take n tokens; 0.0 on success, else the seconds until they would be there (nothing taken)."""
         self._refill()
-        if n <= self.tokens:
-            self.tokens -= n
+        if n <= self.tokens + _EPSILON:  # (the wait it said to wait is enough, despite rounding)
+            self.tokens = max(0.0, self.tokens - n)
             return 0.0
         if n > self.capacity:
             return math.inf
