@@ -154,7 +154,7 @@ class FailureProtocol:
         if placement.cached_tokens:
             self.metrics.index_hits.labels(replica.label).inc()
             self.metrics.index_hit_tokens.labels(replica.label).inc(placement.cached_tokens)
-        attempt.dispatch()
+        attempt.dispatch(streamed=bool(body.get("stream")))
         try:
             await send(self.session, attempt, path, body, headers, self.config.connect_timeout_s,
                        self.config.first_token_timeout_s)

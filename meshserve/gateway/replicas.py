@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import json
 import logging
 import time
 from dataclasses import dataclass, field
@@ -224,7 +225,7 @@ class ReplicaSet:
         timeout = aiohttp.ClientTimeout(total=self.config.probe_timeout_s)
         try:
             async with self.session.get(replica.url + "/health", timeout=timeout) as resp:
-                body = await resp.json(content_type=None) if resp.status in (200, 503) else {}
+                body = _json_or_empty(await resp.read())  # other engines answer an empty 200
                 replica.report(resp.headers.get(LOAD_HEADER), time.monotonic())
                 if resp.status != 200:
                     raise _ProbeFailed(f"/health answered {resp.status}")
@@ -301,3 +302,11 @@ class ReplicaSet:
 
 class _ProbeFailed(Exception):
     pass
+
+
+def _json_or_empty(raw: bytes) -> dict:
+    try:
+        value = json.loads(raw) if raw.strip() else {}
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}

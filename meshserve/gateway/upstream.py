@@ -73,11 +73,13 @@ class Attempt:
     def replica(self) -> Replica:
         return self.placement.replica
 
-    def dispatch(self) -> None:
+    def dispatch(self, streamed: bool) -> None:
         led = self.replica.ledger
         led.in_flight += 1
         led.queued_prefill_tokens += self._expected_prefill
-        self._phase = self.tracer.start_span("prefill", context=trace.set_span_in_context(self.span))
+        # A stream shows when its first token came (prefill, then decode); a whole answer does not.
+        phase = "prefill" if streamed else "generate"
+        self._phase = self.tracer.start_span(phase, context=trace.set_span_in_context(self.span))
 
     @property
     def _expected_prefill(self) -> int:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
+from multidict import CIMultiDict
 
 from meshserve.bench.launch import LaunchedServer, free_port
 
@@ -167,7 +168,7 @@ class StreamResult:
     events: list | None = None
     done: bool = False  # [DONE] arrived
     error: dict | None = None  # an in-band error event
-    headers: dict | None = None
+    headers: CIMultiDict | None = None
     body: dict | None = None  # a non-200 answer
 
     @property
@@ -184,8 +185,8 @@ async def stream(session: aiohttp.ClientSession, base: str, body: dict, headers:
     """POST a streaming completion and read it to the end; `on_first()` runs at the first token."""
     async with session.post(base + "/v1/completions", json={**body, "stream": True}, headers=headers or {}) as resp:
         if resp.status != 200:
-            return StreamResult(resp.status, headers=dict(resp.headers), body=await resp.json(content_type=None))
-        out = StreamResult(200, events=[], headers={k.lower(): v for k, v in resp.headers.items()})
+            return StreamResult(resp.status, headers=CIMultiDict(resp.headers), body=await resp.json(content_type=None))
+        out = StreamResult(200, events=[], headers=CIMultiDict(resp.headers))
         async for raw in resp.content:
             line = raw.decode().strip()
             if not line.startswith("data:"):
@@ -209,7 +210,7 @@ async def stream(session: aiohttp.ClientSession, base: str, body: dict, headers:
 async def complete(session: aiohttp.ClientSession, base: str, body: dict, headers: dict | None = None):
     """(status, JSON body, headers) of a non-streaming completion."""
     async with session.post(base + "/v1/completions", json=body, headers=headers or {}) as resp:
-        return resp.status, await resp.json(content_type=None), dict(resp.headers)
+        return resp.status, await resp.json(content_type=None), CIMultiDict(resp.headers)
 
 
 def run(coro, timeout_s: float = 120.0):
