@@ -5,7 +5,7 @@ from __future__ import annotations
 import hmac
 import logging
 import uuid
-from typing import Callable
+from collections.abc import Callable
 
 from starlette.datastructures import Headers
 from starlette.responses import Response
@@ -87,3 +87,24 @@ class RequestContextMiddleware:
                 return APIError(413, f"request body is larger than {self.max_body_bytes} bytes",
                                 code="request_too_large")
         return None
+
+
+def install_error_handlers(app) -> None:
+    """OpenAI-style error bodies for APIError and Starlette's own HTTP errors; a client that left
+    gets the non-standard 499 (nobody reads it, but access logs say what happened)."""
+    from starlette.exceptions import HTTPException
+
+    from meshserve.api.sse import ClientDisconnected
+
+    async def api_error(request, exc: APIError) -> Response:
+        return error_response(exc)
+
+    async def http_error(request, exc: HTTPException) -> Response:
+        return error_response(APIError(exc.status_code, str(exc.detail), headers=exc.headers))
+
+    async def gone(request, exc: ClientDisconnected) -> Response:
+        return Response(status_code=CLIENT_CLOSED)
+
+    app.add_exception_handler(APIError, api_error)
+    app.add_exception_handler(HTTPException, http_error)
+    app.add_exception_handler(ClientDisconnected, gone)

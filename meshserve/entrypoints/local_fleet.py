@@ -26,7 +26,7 @@ REPLICA_STARTUP_TIMEOUT_S = 600.0
 def replica_argv(argv: list[str], parser: argparse.ArgumentParser, dropped: set[str]) -> list[str]:
     """`argv` (the serve command's own arguments) without the options named in `dropped` (and
     their values): what each replica is started with."""
-    actions = parser._option_string_actions  # noqa: SLF001 (the one place argparse says what takes a value)
+    actions = parser._option_string_actions
     out: list[str] = []
     skip_value = False
     for token in argv:
@@ -51,6 +51,8 @@ def run_fleet(args: argparse.Namespace, argv: list[str], gateway_config_from_arg
     from meshserve.gateway.app import serve
 
     n = args.data_parallel_size
+    # The gateway's flags are checked before any replica starts (placeholder backends).
+    gateway_config_from_args(args, [f"http://127.0.0.1:{i + 1}" for i in range(n)], args.host, args.port)
     log_dir = tempfile.mkdtemp(prefix="meshserve-fleet-")
     env = dict(os.environ)
     cores = os.cpu_count() or 1

@@ -98,7 +98,6 @@ def _run_fleet(args: argparse.Namespace) -> int:
     from meshserve.entrypoints.local_fleet import replica_argv, run_fleet
 
     if not 1 <= args.data_parallel_size <= 64:
-        raise SystemExit(f"meshserve serve: error: --data-parallel-size must be in [1, 64] with --gateway, "
-                         f"got {args.data_parallel_size}")
+        raise ValueError(f"--data-parallel-size must be in [1, 64] with --gateway, got {args.data_parallel_size}")
     argv = sys.argv[sys.argv.index("serve") + 1:] if "serve" in sys.argv else []
     return run_fleet(args, replica_argv(argv, args._parser, _FLEET_ONLY), config_from_args)

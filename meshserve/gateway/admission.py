@@ -21,8 +21,8 @@ import collections
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import aiohttp
 
@@ -42,7 +42,7 @@ class Deadline:
     at: float  # monotonic
 
     @classmethod
-    def from_header(cls, value: str | None, default_s: float) -> "Deadline":
+    def from_header(cls, value: str | None, default_s: float) -> Deadline:
         """X-Request-Deadline-Ms: milliseconds from now the request may wait to be admitted."""
         if value is None:
             return cls(time.monotonic() + default_s)
@@ -56,7 +56,7 @@ class Deadline:
         return cls(time.monotonic() + ms / 1000)
 
     @classmethod
-    def after(cls, seconds: float) -> "Deadline":
+    def after(cls, seconds: float) -> Deadline:
         return cls(time.monotonic() + seconds)
 
     def remaining(self) -> float:

@@ -17,7 +17,6 @@ from typing import Any
 import aiohttp
 from fastapi import FastAPI
 from opentelemetry import trace
-from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -25,9 +24,13 @@ import meshserve
 from meshserve.api.errors import APIError, bad_request, error_body
 from meshserve.api.json_body import parse, read_json
 from meshserve.api.limits import COMPLETIONS_DEFAULT_MAX_TOKENS, resolve_max_tokens
-from meshserve.api.middleware import CLIENT_CLOSED, RequestContextMiddleware, error_response
+from meshserve.api.middleware import RequestContextMiddleware, install_error_handlers
 from meshserve.api.protocol import ChatCompletionRequest, CompletionRequest
-from meshserve.api.sse import ClientDisconnected, EventStreamResponse, JSONBytesResponse, cancel_on_disconnect
+from meshserve.api.sse import (
+    EventStreamResponse,
+    JSONBytesResponse,
+    cancel_on_disconnect,
+)
 from meshserve.engine.routing import make_policy
 from meshserve.gateway.admission import DEADLINE_HEADER, Admission, Deadline, Reserver
 from meshserve.gateway.config import GatewayConfig
@@ -254,17 +257,7 @@ def build_app(gateway: Gateway) -> FastAPI:
     # Keys are the tenants' business (Gateway.handle); the middleware adds X-Request-Id and bounds bodies.
     app.add_middleware(RequestContextMiddleware, api_key=None, max_body_bytes=gateway.config.max_body_bytes)
 
-    @app.exception_handler(APIError)
-    async def _api_error(request: Request, exc: APIError) -> Response:
-        return error_response(exc)
-
-    @app.exception_handler(HTTPException)
-    async def _http_error(request: Request, exc: HTTPException) -> Response:
-        return error_response(APIError(exc.status_code, str(exc.detail), headers=exc.headers))
-
-    @app.exception_handler(ClientDisconnected)
-    async def _gone(request: Request, exc: ClientDisconnected) -> Response:
-        return Response(status_code=CLIENT_CLOSED)
+    install_error_handlers(app)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

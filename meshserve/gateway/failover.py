@@ -21,8 +21,9 @@ import asyncio
 import copy
 import logging
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any
 
 import aiohttp
 from opentelemetry import trace
@@ -30,7 +31,13 @@ from opentelemetry import trace
 from meshserve.api.errors import APIError, error_body
 from meshserve.api.sse import DONE, sse_event
 from meshserve.engine.routing import RouteRequest
-from meshserve.gateway.admission import Admission, AdmissionRequest, Deadline, Placement, Reserver
+from meshserve.gateway.admission import (
+    Admission,
+    AdmissionRequest,
+    Deadline,
+    Placement,
+    Reserver,
+)
 from meshserve.gateway.config import GatewayConfig
 from meshserve.gateway.metrics import GatewayMetrics
 from meshserve.gateway.replicas import ReplicaIdentity, ReplicaSet
@@ -285,7 +292,7 @@ class FailureProtocol:
             span.end()
         yield DONE
 
-    async def _resume(self, greq: GatewayRequest, shaper: "_StreamShaper", failure: AttemptFailed) -> Attempt | None:
+    async def _resume(self, greq: GatewayRequest, shaper: _StreamShaper, failure: AttemptFailed) -> Attempt | None:
         if not (self.config.resume_streams and greq.resumable) or shaper.resumes >= MAX_RESUMES:
             return None
         if not self.budget.withdraw():
@@ -316,7 +323,7 @@ class FailureProtocol:
                     len(sent))
         return attempt
 
-    async def _gap(self, greq: GatewayRequest, shaper: "_StreamShaper", attempt: Attempt) -> list[dict]:
+    async def _gap(self, greq: GatewayRequest, shaper: _StreamShaper, attempt: Attempt) -> list[dict]:
         """Text of tokens already sent that the failed replica had not shown yet (held back for a
         stop string or an unfinished character): the continuation treats those tokens as prompt."""
         try:

@@ -7,9 +7,15 @@ the fleet and the tenants file; no label carries a request id or prompt text.
 """
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
 from prometheus_client.core import GaugeMetricFamily
 
 from meshserve.gateway.replicas import Replica

@@ -117,7 +117,7 @@ class Tenants:
             raise ValueError("the tenants file gives one API key to two tenants")
 
     @classmethod
-    def from_file(cls, path: str) -> "Tenants":
+    def from_file(cls, path: str) -> Tenants:
         try:
             with open(path, "rb") as f:
                 data = tomllib.load(f)

@@ -17,12 +17,16 @@ from __future__ import annotations
 
 import json
 import threading
-from typing import Sequence
+from collections.abc import Sequence
 
 from opentelemetry import propagate, trace
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
+from opentelemetry.sdk.trace.export import (
+    BatchSpanProcessor,
+    SpanExporter,
+    SpanExportResult,
+)
 
 TRACER_NAME = "meshserve.gateway"
 
@@ -66,7 +70,9 @@ def setup_tracing(trace_file: str | None, otlp_endpoint: str | None) -> TracerPr
         provider.add_span_processor(BatchSpanProcessor(JSONLinesSpanExporter(trace_file), schedule_delay_millis=500))
     if otlp_endpoint is not None:
         try:
-            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+            from opentelemetry.exporter.otlp.proto.http.trace_exporter import (
+                OTLPSpanExporter,
+            )
         except ImportError:
             raise ValueError("--otlp-endpoint needs the OTLP exporter: pip install "
                              "opentelemetry-exporter-otlp-proto-http") from None

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import AsyncIterator
 
 import aiohttp
 from opentelemetry import trace

@@ -5,16 +5,19 @@ import logging
 import time
 
 from fastapi import FastAPI
-from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 
 import meshserve
 from meshserve.api.errors import APIError, bad_request, error_body
 from meshserve.api.json_body import parse, read_json
-from meshserve.api.middleware import CLIENT_CLOSED, RequestContextMiddleware, error_response
-from meshserve.api.protocol import DetokenizeRequest, ReservationRequest, TokenizeRequest
-from meshserve.api.sse import ClientDisconnected, JSONBytesResponse
+from meshserve.api.middleware import RequestContextMiddleware, install_error_handlers
+from meshserve.api.protocol import (
+    DetokenizeRequest,
+    ReservationRequest,
+    TokenizeRequest,
+)
+from meshserve.api.sse import JSONBytesResponse
 from meshserve.distributed.expert_load import summarize
 from meshserve.engine.messages import ReserveRequest
 from meshserve.server.engine_client import EngineCallError, EngineDeadError
@@ -32,17 +35,7 @@ def build_app(ctx: ServingContext, metrics: ServerMetrics, engine_config: dict) 
     app.add_middleware(RequestContextMiddleware, api_key=ctx.config.api_key,
                        max_body_bytes=ctx.config.max_body_bytes, load_report=ctx.load_report)
 
-    @app.exception_handler(APIError)
-    async def _api_error(request: Request, exc: APIError) -> Response:
-        return error_response(exc)
-
-    @app.exception_handler(HTTPException)
-    async def _http_error(request: Request, exc: HTTPException) -> Response:
-        return error_response(APIError(exc.status_code, str(exc.detail), headers=exc.headers))
-
-    @app.exception_handler(ClientDisconnected)
-    async def _gone(request: Request, exc: ClientDisconnected) -> Response:
-        return Response(status_code=CLIENT_CLOSED)
+    install_error_handlers(app)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

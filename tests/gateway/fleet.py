@@ -31,7 +31,7 @@ STARTUP_S = 300.0
 
 
 def _process(argv: list[str], port: int | None = None) -> LaunchedServer:
-    log = tempfile.NamedTemporaryFile(prefix="meshserve-gw-test-", suffix=".log", delete=False)
+    log = tempfile.NamedTemporaryFile(prefix="meshserve-gw-test-", suffix=".log", delete=False)  # noqa: SIM115
     log.close()
     port = port if port is not None else free_port()
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
@@ -48,7 +48,7 @@ class Fleet:
     def urls(self) -> list[str]:
         return [r.url for r in self.replicas]
 
-    def start(self) -> "Fleet":
+    def start(self) -> Fleet:
         for r in self.replicas:
             r.start()
         for r in self.replicas:
@@ -126,11 +126,11 @@ class Snapshot:
     requests: float  # finished requests
 
     @classmethod
-    def of(cls, url: str) -> "Snapshot":
+    def of(cls, url: str) -> Snapshot:
         m = scrape(url)
         return cls(counter(m, "prefix_cache_hits"), counter(m, "prompt_tokens"), counter(m, "request_success"))
 
-    def __sub__(self, other: "Snapshot") -> "Snapshot":
+    def __sub__(self, other: Snapshot) -> Snapshot:
         return Snapshot(self.prefix_hits - other.prefix_hits, self.prompt_tokens - other.prompt_tokens,
                         self.requests - other.requests)
 

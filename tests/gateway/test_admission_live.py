@@ -5,7 +5,6 @@ import os
 import signal
 import time
 
-import aiohttp
 import pytest
 
 from tests.gateway.fleet import (

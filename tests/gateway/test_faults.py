@@ -4,7 +4,17 @@ complete token-identical to an undisturbed greedy run), requests that had not st
 the other replica, nothing hangs, the dead replica gets nothing more, and it rejoins after restart."""
 import asyncio
 
-from tests.gateway.fleet import complete, get_json, prompt, run, scrape, session, snapshots, stream, wait_until
+from tests.gateway.fleet import (
+    complete,
+    get_json,
+    prompt,
+    run,
+    scrape,
+    session,
+    snapshots,
+    stream,
+    wait_until,
+)
 
 STREAMS = 6  # per gateway
 MAX_TOKENS = 48
@@ -67,7 +77,7 @@ def test_kill_9_under_streaming_load(fleet):
 
     # The dead replica gets nothing more once its breaker is open.
     for gw in (plain, resuming):
-        wait_until(lambda: _replica_state(gw.url, 1)["breaker"] == "open", 10, "the breaker to open")
+        wait_until(lambda gw=gw: _replica_state(gw.url, 1)["breaker"] == "open", 10, "the breaker to open")
     before = [_routed(gw.url, dead_label) for gw in (plain, resuming)]
 
     async def more():
@@ -81,7 +91,7 @@ def test_kill_9_under_streaming_load(fleet):
     # Restarted on the same port, it rejoins: half-open probes are real health checks.
     fleet.restart(1)
     for gw in (plain, resuming):
-        wait_until(lambda: _replica_state(gw.url, 1)["healthy"], 20, "the restarted replica to rejoin")
+        wait_until(lambda gw=gw: _replica_state(gw.url, 1)["healthy"], 20, "the restarted replica to rejoin")
     snap = snapshots(fleet)
     assert all(status == 200 for status, _, _ in run(more()))
     assert (snapshots(fleet)[1] - snap[1]).requests >= 2

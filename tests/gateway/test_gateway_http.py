@@ -15,7 +15,16 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from meshserve.bench.launch import free_port
-from tests.gateway.fleet import complete, prompt, run, scrape, session, snapshots, stream, wait_until
+from tests.gateway.fleet import (
+    complete,
+    prompt,
+    run,
+    scrape,
+    session,
+    snapshots,
+    stream,
+    wait_until,
+)
 
 SECRET = "zebra-violin-quartz"  # prompt text that must never show up in telemetry
 TRACEPARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"

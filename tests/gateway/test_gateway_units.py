@@ -13,7 +13,12 @@ from meshserve.engine.routing import RouteRequest
 from meshserve.gateway.admission import Admission, AdmissionRequest, Deadline, Placement
 from meshserve.gateway.config import GatewayConfig
 from meshserve.gateway.failover import RetryBudget
-from meshserve.gateway.replicas import BreakerState, CircuitBreaker, Replica, ReplicaIdentity
+from meshserve.gateway.replicas import (
+    BreakerState,
+    CircuitBreaker,
+    Replica,
+    ReplicaIdentity,
+)
 from meshserve.gateway.tenants import Tenant, TenantConfig, Tenants, TokenBucket
 
 

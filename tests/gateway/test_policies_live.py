@@ -4,7 +4,16 @@ import asyncio
 
 import pytest
 
-from tests.gateway.fleet import Snapshot, complete, prompt, run, session, snapshots, stream, wait_until
+from tests.gateway.fleet import (
+    Snapshot,
+    complete,
+    prompt,
+    run,
+    session,
+    snapshots,
+    stream,
+    wait_until,
+)
 
 SYSTEM = ("You are a careful assistant for a shipping company. Answer in one short sentence, cite the "
           "relevant rule number, never invent tracking numbers, and keep a polite and formal tone with "
@@ -79,16 +88,22 @@ def test_load_others_sent_straight_to_a_replica_steers_requests_away(fleet, poli
     fleet.stop_gateway(gw)
 
 
+async def _warm(gw_url: str, fleet, question: str) -> int:
+    """Send the system prompt once; the replica it went to."""
+    async with session() as s:
+        before = snapshots(fleet)
+        status, body, _ = await complete(s, gw_url, {"prompt": f"{SYSTEM}\nQ: {question}\nA:", "max_tokens": 1})
+        assert status == 200, body
+        return _which(before, snapshots(fleet)).index(1)
+
+
 def test_cache_aware_sends_a_shared_prefix_where_it_is_cached(fleet):
     gw = fleet.gateway("--policy", "cache_aware")
     questions = ["Where is my parcel?", "Can I return shoes?", "Do you ship batteries?", "How heavy is freight?"]
 
     async def scenario():
+        warm = await _warm(gw.url, fleet, "Hello?")
         async with session() as s:
-            before = snapshots(fleet)
-            status, body, _ = await complete(s, gw.url, {"prompt": SYSTEM + "\nQ: Hello?\nA:", "max_tokens": 1})
-            assert status == 200, body
-            warm = _which(before, snapshots(fleet)).index(1)
             before = snapshots(fleet)
             for q in questions:
                 status, body, _ = await complete(s, gw.url, {"prompt": f"{SYSTEM}\nQ: {q}\nA:", "max_tokens": 1})
@@ -107,11 +122,7 @@ def test_cache_aware_passes_over_an_overloaded_warm_replica(fleet):
     gw = fleet.gateway("--policy", "cache_aware")
 
     async def scenario():
-        async with session() as s:
-            before = snapshots(fleet)
-            status, body, _ = await complete(s, gw.url, {"prompt": SYSTEM + "\nQ: Warm up?\nA:", "max_tokens": 1})
-            assert status == 200, body
-            warm = _which(before, snapshots(fleet)).index(1)
+        warm = await _warm(gw.url, fleet, "Warm up?")
         async with _Busy(fleet.urls[warm], 6):
             await asyncio.to_thread(wait_until, lambda: _reported_running(gw.url, warm) >= 5, 60,
                                     "the warm replica to report its load")

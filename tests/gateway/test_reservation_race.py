@@ -8,7 +8,14 @@ import threading
 
 import pytest
 
-from tests.gateway.fleet import BLOCK_SIZE, complete, get_json, reservations, run, session
+from tests.gateway.fleet import (
+    BLOCK_SIZE,
+    complete,
+    get_json,
+    reservations,
+    run,
+    session,
+)
 
 REQUESTS = 100
 FITS = 10
