@@ -253,3 +253,15 @@ def test_fleet_replicas_are_started_without_the_fleet_only_flags():
             "512", "--resume-streams", "--api-key", "k", "--trace-file", "t.jsonl", "--log-level", "warning"]
     assert replica_argv(argv, serve, serve_cli._FLEET_ONLY) == ["model.gguf", "--max-model-len", "512",
                                                                 "--log-level", "warning"]
+
+
+def test_the_gateway_imports_no_engine():
+    """It talks to replicas over HTTP only: no torch, no server, worker or engine-loop modules."""
+    import subprocess
+    import sys
+
+    code = ("import sys, meshserve.gateway.app, meshserve.entrypoints.gateway_cli; "
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith(('meshserve.server', "
+            "'meshserve.worker', 'meshserve.models', 'meshserve.engine.llm_engine', 'meshserve.engine.scheduler'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
