@@ -74,8 +74,8 @@ def setup_tracing(trace_file: str | None, otlp_endpoint: str | None) -> TracerPr
                 OTLPSpanExporter,
             )
         except ImportError:
-            raise ValueError("--otlp-endpoint needs the OTLP exporter: pip install "
-                             "opentelemetry-exporter-otlp-proto-http") from None
+            raise ValueError("--otlp-endpoint needs the OTLP exporter: pip install 'meshserve[otlp]' "
+                             "(opentelemetry-exporter-otlp-proto-http)") from None
         provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=otlp_endpoint)))
     return provider
 
