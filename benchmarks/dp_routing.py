@@ -6,7 +6,7 @@ prefix dataset (several system prompts, each shared by many requests) through th
 reads each replica's own counters. Prints, per policy: request throughput, p50/p95 TTFT, and for
 each replica its prefix-cache hit rate (cached prompt tokens / prompt tokens) and share of requests.
 
-    python benchmarks/dp_routing.py                        # 90 requests, 9 system prompts of 192 tokens
+    python benchmarks/dp_routing.py                        # 88 requests, 11 system prompts of 192 tokens
     python benchmarks/dp_routing.py --num-prompts 32 --json
 """
 from __future__ import annotations
@@ -32,17 +32,17 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--replicas", type=int, default=2)
-    p.add_argument("--num-prompts", type=int, default=90)
+    p.add_argument("--num-prompts", type=int, default=88)
     # An odd count: the dataset uses the prompts in turn, and an even count would hand round robin
     # perfect affinity over two replicas by accident.
-    p.add_argument("--num-prefixes", type=int, default=9, help="distinct system prompts")
+    p.add_argument("--num-prefixes", type=int, default=11, help="distinct system prompts")
     p.add_argument("--prefix-len", type=int, default=192)
     p.add_argument("--input-len", type=int, default=32, help="tokens after the shared prefix")
     p.add_argument("--output-len", type=int, default=16)
     p.add_argument("--max-concurrency", type=int, default=8)
-    # About 130 blocks of 16 tokens: one replica cannot keep every system prompt cached beside the
-    # running requests, two can when each keeps its own half.
-    p.add_argument("--kv-cache-memory", type=int, default=100_000_000, metavar="BYTES", help="per replica")
+    # About 100 blocks of 16 tokens: one replica cannot keep all 11 system prompts (132 blocks)
+    # cached, two can when each keeps its own half.
+    p.add_argument("--kv-cache-memory", type=int, default=75_000_000, metavar="BYTES", help="per replica")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--policies", default=",".join(POLICIES), help="which, in this order (default: %(default)s)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
