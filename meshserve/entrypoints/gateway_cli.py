@@ -61,6 +61,8 @@ def add_gateway_options(p: argparse.ArgumentParser, d, shared: bool = True) -> N
                    help="consecutive failures that open a replica's breaker (default: %(default)s)")
     h.add_argument("--breaker-cooldown", type=float, default=1.0, metavar="S",
                    help="open -> half-open; the half-open probe is a health check (default: %(default)s)")
+    h.add_argument("--breaker-max-cooldown", type=float, default=30.0, metavar="S",
+                   help="the cooldown doubles after each failed half-open probe, up to this (default: %(default)s)")
     h.add_argument("--first-token-timeout", type=float, default=300.0, metavar="S", help="(default: %(default)s)")
     h.add_argument("--retry-budget-ratio", type=float, default=0.1, metavar="R",
                    help="retries allowed per routed request, fleet-wide (default: %(default)s)")
@@ -96,7 +98,7 @@ def config_from_args(args: argparse.Namespace, backends: list[str], host: str, p
         backends=backends, policy=args.policy, host=host, port=port, cache_aware=cache_aware,
         probe_interval_s=args.probe_interval, stale_after_s=args.stale_after,
         breaker_failures=args.breaker_failures, breaker_cooldown_s=args.breaker_cooldown,
-        breaker_max_cooldown_s=max(30.0, args.breaker_cooldown), first_token_timeout_s=args.first_token_timeout,
+        breaker_max_cooldown_s=args.breaker_max_cooldown, first_token_timeout_s=args.first_token_timeout,
         retry_budget_ratio=args.retry_budget_ratio, resume_streams=args.resume_streams,
         lease_ttl_s=args.lease_ttl, max_queued=args.max_queued, max_queue_wait_s=args.max_queue_wait,
         tenants_file=args.tenants, api_key=args.api_key if not args.tenants else None,

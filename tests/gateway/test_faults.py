@@ -30,8 +30,10 @@ def _routed(gw_url: str, label: str) -> float:
 
 
 def test_kill_9_under_streaming_load(fleet):
-    plain = fleet.gateway("--policy", "round_robin")
-    resuming = fleet.gateway("--policy", "round_robin", "--resume-streams")
+    # A short longest cooldown: the restarted replica is probed again within 2 s.
+    breaker = ("--breaker-cooldown", "0.5", "--breaker-max-cooldown", "2")
+    plain = fleet.gateway("--policy", "round_robin", *breaker)
+    resuming = fleet.gateway("--policy", "round_robin", "--resume-streams", *breaker)
     prompts = [prompt(f"fault{k}") for k in range(STREAMS)]
     dead_label = fleet.urls[1].split("://")[1]
 
@@ -91,7 +93,7 @@ def test_kill_9_under_streaming_load(fleet):
     # Restarted on the same port, it rejoins: half-open probes are real health checks.
     fleet.restart(1)
     for gw in (plain, resuming):
-        wait_until(lambda gw=gw: _replica_state(gw.url, 1)["healthy"], 20, "the restarted replica to rejoin")
+        wait_until(lambda gw=gw: _replica_state(gw.url, 1)["healthy"], 30, "the restarted replica to rejoin")
     snap = snapshots(fleet)
     assert all(status == 200 for status, _, _ in run(more()))
     assert (snapshots(fleet)[1] - snap[1]).requests >= 2
