@@ -216,8 +216,14 @@ class Gateway:
             raise APIError(503, "no healthy replica", code="no_healthy_replica", headers={"Retry-After": "2"})
         replica = candidates[next(self._turn) % len(candidates)]
         body = await read_json(request, self.config.max_body_bytes)
-        async with self.session.post(replica.url + path, json=body) as resp:
-            return Response(await resp.read(), status_code=resp.status, media_type="application/json")
+        try:
+            async with self.session.post(replica.url + path, json=body) as resp:
+                return Response(await resp.read(), status_code=resp.status, media_type="application/json")
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            self.replicas.record_failure(replica, f"{path}: {type(exc).__name__}",
+                                         decisive=isinstance(exc, aiohttp.ClientConnectorError))
+            raise APIError(503, f"the replica did not answer ({type(exc).__name__})", code="no_healthy_replica",
+                           headers={"Retry-After": "1"}) from None
 
     def models(self) -> dict:
         seen: dict[str, dict[str, Any]] = {}
