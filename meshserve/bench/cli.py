@@ -151,8 +151,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
     async def go() -> dict:
         async with Benchmark(config) as bench:
-            requests = await bench.load_requests()
-            return await run_sweep(bench, requests, sweep,
+            return await run_sweep(bench, sweep,
                                    on_point=lambda p: print(report.format_sweep_point(sweep.kind, p),
                                                             flush=True))
 

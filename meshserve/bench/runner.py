@@ -23,6 +23,8 @@ from meshserve.bench.tokenization import (
     ServerTokenizer,
 )
 
+WARMUP_SEED_OFFSET = 1_000_003  # far from the offsets of the timed runs (0, 1, 2, ...)
+
 
 class ServerUnreachable(RuntimeError):
     pass
@@ -95,8 +97,14 @@ class Benchmark:
             return None  # the dataset loader says why it needs one, if it does
         return tok
 
-    async def load_requests(self) -> list[BenchRequest]:
-        return await load_requests(self.config.dataset, await self.tokenizer(), self.max_model_len)
+    async def load_requests(self, seed_offset: int = 0, count: int | None = None) -> list[BenchRequest]:
+        """The dataset's requests; a `seed_offset` draws another set of the same shape, so that a
+        second run at another load does not find the first run's prompts in the prefix cache."""
+        dataset = self.config.dataset
+        if seed_offset or count is not None:
+            dataset = dataclasses.replace(dataset, seed=dataset.seed + seed_offset,
+                                          num_prompts=count if count is not None else dataset.num_prompts)
+        return await load_requests(dataset, await self.tokenizer(), self.max_model_len)
 
     async def environment(self) -> dict:
         if self._environment is None:
@@ -109,10 +117,13 @@ class Benchmark:
         return OpenAIStreamClient(self.session, cfg.base_url, cfg.endpoint, self.model,
                                   ignore_eos=cfg.ignore_eos, temperature=cfg.temperature)
 
-    async def _warm_up(self, client: OpenAIStreamClient, requests: Sequence[BenchRequest],
-                       load: LoadConfig) -> None:
+    async def _warm_up(self, client: OpenAIStreamClient, load: LoadConfig) -> None:
         n = self.config.num_warmups
-        if n == 0 or not requests:
+        if n == 0:
+            return
+        # Prompts of their own: a timed request must not find its prompt cached by the warm-up.
+        requests = await self.load_requests(WARMUP_SEED_OFFSET, count=n)
+        if not requests:
             return
         gate = asyncio.Semaphore(load.max_concurrency or n)
 
@@ -131,7 +142,7 @@ class Benchmark:
         cfg = self.config
         load = load or cfg.load
         client = self.client()
-        await self._warm_up(client, requests, load)
+        await self._warm_up(client, load)
 
         rng = np.random.default_rng([cfg.dataset.seed, 1])  # arrivals: a stream of their own
         offsets = arrival_offsets(len(requests), load.request_rate, load.burstiness, rng)

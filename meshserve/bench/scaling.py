@@ -119,7 +119,8 @@ async def _measure(cfg: BenchConfig, sc: ScalingConfig, layout: Layout, row: dic
                        itl_p95_ms=result["p95_itl_ms"], ttft_p95_ms=result["p95_ttft_ms"],
                        result=_slim(result))
             if sc.prefill_probe:
-                probe_requests = [dataclasses.replace(r, output_len=1) for r in requests]
+                # A fresh draw: the timed run's prompts are in the prefix cache now.
+                probe_requests = [dataclasses.replace(r, output_len=1) for r in await bench.load_requests(1)]
                 probe = await bench.run(
                     probe_requests, LoadConfig(math.inf, 1.0, cfg.load.max_concurrency),
                     label=f"{layout.label} prefill probe")

@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from meshserve.bench.config import BenchConfig, LoadConfig
-from meshserve.bench.datasets import BenchRequest
 from meshserve.bench.runner import Benchmark
 
 KINDS = ("rate", "concurrency")
@@ -68,14 +67,17 @@ def _midpoint(kind: str, lo: float, hi: float) -> float | None:
     return (lo + hi) / 2
 
 
-async def run_sweep(bench: Benchmark, requests: Sequence[BenchRequest], sweep: SweepConfig,
-                    on_point: Callable[[dict], None] = lambda p: None) -> dict:
+async def run_sweep(bench: Benchmark, sweep: SweepConfig,
+                    on_point: Callable[[dict], None] = lambda p: None, seed_offset: int = 0) -> dict:
+    """Each load point sends a fresh draw of the dataset (seed + point index + `seed_offset`):
+    replaying one set would let every point after the first find its prompts in the prefix cache."""
     cfg: BenchConfig = bench.config
     if not cfg.goodput:
         raise ValueError("a sweep needs --goodput SLOs, e.g. --goodput ttft:1500 tpot:80")
     points: list[dict] = []
 
     async def measure(value: float) -> dict:
+        requests = await bench.load_requests(seed_offset + len(points))
         result = await bench.run(requests, load_at(cfg.load, sweep.kind, value),
                                  label=f"{sweep.kind}={value:g}")
         result.pop("per_request")

@@ -46,6 +46,12 @@ class Calibration:
     torch_version: str
     measured_at: str
     clock: str = "wall"            # or "thread-cpu"
+    # Seconds per weight byte of a linear layer by row count ((rows, s/byte) pairs, rising rows),
+    # through the engine's own matmul path: memory-bound with few rows, compute-bound with many,
+    # and the stretch between that neither peak figure describes.
+    gemm_profile: list[list[float]] | None = None
+    attention_flops: float | None = None  # causal prefill attention (SDPA), FLOP/s
+    op_overhead_s: float | None = None    # host time of one small kernel call, not hidden by compute
 
     def to_gpu_spec(self) -> GPUSpec:
         """Measured constants stand in for every datasheet figure: they are achievable rates,
@@ -59,6 +65,8 @@ class Calibration:
             intra_node_latency_s=self.allreduce_latency_s,
             inter_node_latency_s=self.allreduce_latency_s,
             gpus_per_node=self.devices, measured=True,
+            gemm_profile=tuple((int(r), float(t)) for r, t in self.gemm_profile or ()),
+            attention_flops=self.attention_flops, op_overhead_s=self.op_overhead_s or 0.0,
             notes=f"measured on {self.device} ({self.matmul_dtype} matmul, {self.threads} threads) "
                   f"at {self.measured_at}")
 
@@ -121,6 +129,62 @@ def measure_memory_bandwidth(device: str, nbytes: int = 128 * 2**20, repeats: in
     src = torch.ones(nbytes // 4, device=device, dtype=torch.float32)
     dst = torch.empty_like(src)
     return 2 * nbytes / _best_time(lambda: dst.copy_(src), repeats, _sync(device), clock)
+
+
+GEMM_PROFILE_ROWS = (1, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+# Weights cycled through per timing, 4 x 2048 x 2048 float32 = 64 MiB: more than a CPU's caches,
+# as a model's layers are, so a few rows measure the memory, not a cache.
+_GEMM_SHAPE, _GEMM_WEIGHTS = (2048, 2048), 4
+
+
+def measure_gemm_profile(device: str, dtype, repeats: int = 5, clock: Clock = time.perf_counter,
+                         rows: tuple[int, ...] = GEMM_PROFILE_ROWS) -> list[list[float]]:
+    """Seconds per weight byte of `rows` x K @ (K x N) through the engine's linear layer (on a CPU,
+    float32 weights packed once for oneDNN, as the engine runs them)."""
+    import torch
+
+    from meshserve.layers.linear import ReplicatedLinear
+
+    layers = []
+    for _ in range(_GEMM_WEIGHTS):
+        layer = ReplicatedLinear(_GEMM_SHAPE[1], _GEMM_SHAPE[0]).to(device=device, dtype=dtype)
+        layer.weight.data.normal_()
+        layer.prepack()
+        layers.append(layer)
+    weight_bytes = _GEMM_WEIGHTS * _GEMM_SHAPE[0] * _GEMM_SHAPE[1] * torch.finfo(dtype).bits // 8
+    profile = []
+    with torch.inference_mode():
+        for m in rows:
+            x = torch.randn(m, _GEMM_SHAPE[1], device=device, dtype=dtype)
+            t = _best_time(lambda: [layer(x) for layer in layers], repeats, _sync(device), clock)
+            profile.append([m, t / weight_bytes])
+    return profile
+
+
+def measure_attention_flops(device: str, dtype, tokens: int = 512, heads: int = 8, head_dim: int = 64,
+                            repeats: int = 5, clock: Clock = time.perf_counter) -> float:
+    """Causal self-attention of one `tokens`-long prompt (QK^T and AV over the lower triangle)."""
+    import torch
+    import torch.nn.functional as F
+
+    q, k, v = (torch.randn(1, heads, tokens, head_dim, device=device, dtype=dtype) for _ in range(3))
+    flops = 2 * 2 * head_dim * heads * tokens * (tokens + 1) / 2
+    with torch.inference_mode():
+        return flops / _best_time(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+                                  repeats, _sync(device), clock)
+
+
+def measure_op_overhead(device: str, ops: int = 200, repeats: int = 5, clock: Clock = time.perf_counter) -> float:
+    """Host seconds per call of a small element-wise kernel: the floor of every op a step runs."""
+    import torch
+
+    x = torch.ones(4096, device=device)
+
+    def chain() -> None:
+        for _ in range(ops):
+            x.mul_(1.0)
+
+    return _best_time(chain, repeats, _sync(device), clock) / ops
 
 
 def _sync(device: str) -> Callable[[], None]:
@@ -222,6 +286,9 @@ def calibrate(path: str | Path | None = None, *, threads: int | None = None,
             memory_bandwidth=measure_memory_bandwidth(
                 device, nbytes=(1 << 30) if cuda else 128 << 20, clock=clock),
             allreduce_latency_s=alpha, allreduce_bandwidth=beta,
+            gemm_profile=measure_gemm_profile(device, dtype, clock=clock),
+            attention_flops=measure_attention_flops(device, dtype, clock=clock),
+            op_overhead_s=measure_op_overhead(device, clock=clock),
             memory_bytes=_memory_bytes(device),
             devices=torch.cuda.device_count() if cuda else 1,
             threads=torch.get_num_threads(), torch_version=torch.__version__,

@@ -3,9 +3,16 @@
 A fluid model, stated so it can be argued with:
 * Prefill occupies the busiest stage for T_stage per request, so its utilisation is
   rho = rate x T_stage; prompts wait as in an M/D/1 queue, W = rho T_stage / (2 (1 - rho)).
-  TTFT = W + prefill latency.
-* Decode shares the replica with prefill (chunked prefill spreads it over steps), so
-  ITL(B) = decode_step(B) / (1 - rho) with B sequences decoding at mean context prompt + output/2.
+  A prompt that finds the replica decoding (probability 1 - rho) also waits for the step under
+  way to end, half a decode step on average. TTFT = W + (1 - rho) decode_step / 2 + prefill latency.
+  The median TTFT counts the queue's median: nothing when rho <= 1/2 (most prompts find no queue),
+  else (W / rho) ln(2 rho), the median of an exponential wait taken with probability rho.
+* Decode shares the replica with prefill: a step that prefills carries the running sequences'
+  next tokens too. A prompt that finds no other waiting gets a step of its own (probability
+  1 - rho); the others join the waiting batch's step. So each sequence gets rate (1 - rho)
+  tokens/s from prefill steps and (1 - rho) / decode_step(B) from decode steps:
+  ITL(B) = decode_step(B) / ((1 - rho)(1 + rate decode_step(B))), with B sequences decoding at
+  mean context prompt + output/2.
 * Little's law fixes B: B = rate x (TTFT + (output - 1) x ITL(B)). B may not exceed what the KV
   cache holds when every sequence reserves prompt + output tokens; beyond that requests queue.
 * A request meets the SLO when TTFT <= slo_ttft and ITL <= slo_itl; the model is deterministic,
@@ -42,6 +49,7 @@ class OperatingPoint:
     meets_slo: bool
     limit: str                  # what binds: "", "prefill", "kv-memory", "ttft", "itl"
     pipeline_utilization: float = 1.0   # M / (M + P - 1) of the decode step
+    ttft_p50_s: float = math.inf        # the median request's TTFT (ttft_s is the mean)
 
     @property
     def tokens_per_s_per_user(self) -> float:
@@ -60,7 +68,8 @@ def operating_point(perf: PerfModel, max_concurrency: int, work: Workload,
     rho = rate * occupancy
 
     def itl(b: float) -> float:
-        return perf.decode_step_time(max(b, 1.0), context) / (1.0 - rho)
+        step = perf.decode_step_time(max(b, 1.0), context)
+        return step / ((1.0 - rho) * (1.0 + rate * step))
 
     def pipe(b: float) -> float:  # busy fraction of the stages during a decode step
         return pipeline_efficiency(perf.decode_step(b, context)[1], perf.pp)
@@ -69,10 +78,14 @@ def operating_point(perf: PerfModel, max_concurrency: int, work: Workload,
         return OperatingPoint(rate, math.inf, math.inf, math.inf, math.inf, rho, False, False,
                               "prefill")
     queue = rho * occupancy / (2 * (1 - rho))
-    ttft = queue + prefill
+    median_queue = (queue / rho) * math.log(2 * rho) if rho > 0.5 else 0.0
+
+    def ttft_at(b: float, wait: float) -> float:
+        # With fewer than one sequence decoding on average, a step is under way min(b, 1) of the time.
+        return wait + (1 - rho) * min(b, 1.0) * perf.decode_step_time(max(b, 1.0), context) / 2 + prefill
 
     def excess(b: float) -> float:  # Little's law residual
-        return rate * (ttft + (work.output_len - 1) * itl(b)) - b
+        return rate * (ttft_at(b, queue) + (work.output_len - 1) * itl(b)) - b
 
     if max_concurrency < 1 or excess(max_concurrency) > 0:
         # The KV cache is full: admissions queue without bound while the full batch decodes.
@@ -84,9 +97,10 @@ def operating_point(perf: PerfModel, max_concurrency: int, work: Workload,
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if excess(mid) > 0 else (lo, mid)
     b = hi
-    step = itl(b)
+    step, ttft = itl(b), ttft_at(b, queue)
     limit = "ttft" if ttft > work.slo_ttft_s else "itl" if step > work.slo_itl_s else ""
-    return OperatingPoint(rate, b, ttft, step, queue, rho, True, not limit, limit, pipe(b))
+    return OperatingPoint(rate, b, ttft, step, queue, rho, True, not limit, limit, pipe(b),
+                          ttft_p50_s=ttft_at(b, median_queue))
 
 
 def slo_capacity(perf: PerfModel, max_concurrency: int, work: Workload) -> float:

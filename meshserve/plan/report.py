@@ -86,7 +86,7 @@ def format_report(result: PlanResult) -> str:
             time_rows.append([p.layout.name, rank, _ms(p.decode_batch1_s), *moe_cols, _ms(p.prefill_s),
                               _num(op.concurrency, "{:,.1f}"),
                               _num(op.pipeline_utilization * 100, "{:.0f}%"), _ms(op.itl_s),
-                              _ms(op.ttft_s),
+                              _ms(op.ttft_s), _ms(op.ttft_p50_s),
                               _num(op.tokens_per_s_per_user, "{:,.1f}"),
                               _num(op.tokens_per_s, "{:,.0f}"), _ms(p.kv_handoff_s),
                               _num(p.capacity_rps, "{:,.3f}"), _num(p.goodput_rps, "{:,.3f}"),
@@ -98,7 +98,7 @@ def format_report(result: PlanResult) -> str:
         out += ["", "Time per replica at the operating point (the request rate, else the SLO capacity)"]
         moe_head = ["of it a2a ms"] if result.config.model.is_moe else []
         out.append(_table(["layout", "rank", "ITL b=1 ms", *moe_head, "prefill ms", "seqs", "PP util",
-                           "ITL ms", "TTFT ms",
+                           "ITL ms", "TTFT ms", "TTFT p50",
                            "tok/s/user", "tok/s/replica", "KV hand-off ms", "SLO cap req/s",
                            "goodput req/s", "limit"], time_rows))
     notes = [f"  {p.layout.name}: {why}" for p in shown for why in p.reasons + p.flags]
@@ -142,6 +142,7 @@ def _layout_dict(p: LayoutPlan) -> dict:
             "kv_handoff_ms": p.kv_handoff_s * 1e3, "request_rate_per_replica": op.rate,
             "concurrency": op.concurrency, "pipeline_utilization": op.pipeline_utilization,
             "itl_ms": op.itl_s * 1e3, "ttft_ms": op.ttft_s * 1e3,
+            "ttft_p50_ms": op.ttft_p50_s * 1e3,
             "queue_ms": op.queue_s * 1e3, "prefill_utilization": op.prefill_utilization,
             "tokens_per_s_per_user": op.tokens_per_s_per_user,
             "tokens_per_s_per_replica": op.tokens_per_s, "meets_slo": op.meets_slo,

@@ -108,12 +108,30 @@ class GPUSpec:
     gpus_per_node: int = 8
     measured: bool = False
     notes: str = ""
+    # Measured only (`meshserve plan --calibrate`), see Calibration: seconds per weight byte of a
+    # linear layer by row count, causal attention FLOP/s, host seconds per kernel call.
+    gemm_profile: tuple[tuple[int, float], ...] = ()
+    attention_flops: float | None = None
+    op_overhead_s: float = 0.0
 
     def __post_init__(self) -> None:
         for field in ("memory_bytes", "hbm_bandwidth", "bf16_flops", "fp32_flops",
                       "intra_node_bandwidth", "inter_node_bandwidth"):
             if not getattr(self, field) > 0:
                 raise ValueError(f"GPU {self.name!r}: {field} must be > 0")
+
+    def linear_seconds_per_byte(self, rows: float) -> float | None:
+        """From the measured profile: interpolated between measured row counts, proportional to
+        the rows beyond the largest (compute-bound there); None without a profile."""
+        profile = self.gemm_profile
+        if not profile:
+            return None
+        rows = max(rows, profile[0][0])
+        for (r0, t0), (r1, t1) in zip(profile, profile[1:]):
+            if rows <= r1:
+                return t0 + (t1 - t0) * (rows - r0) / (r1 - r0)
+        r_max, t_max = profile[-1]
+        return t_max * rows / r_max
 
     def peak_flops(self, weight_dtype: str) -> float:
         """Dense matmul FLOP/s for the weight dtype. fp8 uses fp8 tensor cores where the GPU

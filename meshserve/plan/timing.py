@@ -20,6 +20,13 @@ behind, so the step takes sum(stage times) + (M - 1) x slowest (+ sends), which 
 (M + P - 1) x t for equal stages. The step uses the M in 1..min(B, P) that is fastest, and
 the stages are busy M / (M + P - 1) of it. Memory-bound steps pick M = 1 (splitting re-reads the weights); compute-bound ones split.
 Engines that overlap successive steps (vLLM's virtual engines) can do better at large batches.
+Measured profile (`meshserve plan --calibrate` on the machine itself, dense models): the rooflines
+are lower bounds that a CPU misses by 1.5-3x, since with tens of rows neither the weight stream nor
+the arithmetic runs at its peak and the two do not overlap. The calibration times the engine's own
+linear layer at 1 to 1,024 rows, and a layer then costs weight bytes x measured seconds per byte at
+its row count (the LM head at the sampled rows); attention adds cache bytes / BW and its FLOPs at
+the measured causal-attention rate; each layer's OPS_PER_LAYER kernel calls pay the measured host
+time per call.
 MoE routing: b tokens choosing k of E experts uniformly touch E(1 - (1 - k/E)^b) experts.
 Expert parallelism (EP = TP ranks per stage, experts split whole): in each MoE layer a rank routes
 its b/N tokens and sends one row of `hidden` activations per (token, expert) pair whose expert lives
@@ -40,6 +47,10 @@ from statistics import NormalDist
 
 from .memory import StageShard
 from .specs import GPUSpec, ModelSpec
+
+# Kernel calls of one decoder layer in the engine: two norms, QKV, rotary, two cache writes,
+# attention, output projection, gate/up, activation, down projection, residual bookkeeping.
+OPS_PER_LAYER = 12
 
 
 def ring_allreduce_time(nbytes: float, ranks: int, latency_s: float, bandwidth: float) -> float:
@@ -197,16 +208,26 @@ class PerfModel:
 
     def _phases(self, stage: StageShard, tokens: float, pairs: float, head_tokens: float,
                 kv_tokens: float) -> float:
-        """Linear-layer phase + attention phase, each a roofline, for `tokens` new tokens
-        attending over `pairs` query-key pairs, `kv_tokens` cache entries moved."""
+        """Linear-layer phase + attention phase for `tokens` new tokens attending over `pairs`
+        query-key pairs, `kv_tokens` cache entries moved: each a roofline, or with a measured
+        profile (`meshserve plan --calibrate`) the measured costs."""
         skew = self.rank_imbalance(tokens)
         touched = experts_touched_fraction(self.spec, tokens, self.ep, skew)
-        weight_bytes = (stage.dense_read + stage.head + stage.experts * touched) * self.weight_bytes
-        linear_flops = (2 * tokens * (stage.active + (skew - 1) * stage.experts_active)
-                        + 2 * head_tokens * stage.head)
+        body_bytes = (stage.dense_read + stage.experts * touched) * self.weight_bytes
+        head_bytes = stage.head * self.weight_bytes
         kv_bytes = kv_tokens * stage.kv_entries * self.kv_bytes
         attn_flops = pairs * self._attn_flops_per_ctx_token(stage)
-        return (max(weight_bytes / self.bandwidth, linear_flops / self.flops)
+        per_byte = self.gpu.linear_seconds_per_byte(tokens)
+        if per_byte is not None and not self.spec.is_moe:
+            # Each linear layer costs what the profile measured for its row count (the LM head
+            # has only the sampled rows); the cache reads and attention arithmetic add up, and
+            # every kernel call pays the host's launch time.
+            linear = body_bytes * per_byte + head_bytes * (self.gpu.linear_seconds_per_byte(head_tokens) or 0.0)
+            attention = kv_bytes / self.bandwidth + attn_flops / (self.gpu.attention_flops or self.flops)
+            return linear + attention + stage.num_layers * OPS_PER_LAYER * self.gpu.op_overhead_s
+        linear_flops = (2 * tokens * (stage.active + (skew - 1) * stage.experts_active)
+                        + 2 * head_tokens * stage.head)
+        return (max((body_bytes + head_bytes) / self.bandwidth, linear_flops / self.flops)
                 + max(kv_bytes / self.bandwidth, attn_flops / self.flops))
 
     def decode_stage_parts(self, stage: StageShard, batch: float, context: float) -> dict[str, float]:

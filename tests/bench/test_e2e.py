@@ -119,3 +119,23 @@ def test_api_key_reaches_every_endpoint():
         assert "s3cret" not in json.dumps(result)
         with pytest.raises(ServerUnreachable, match="HTTP 401"):
             run_serve(BenchConfig(base_url=url, show_progress=False))
+
+
+def test_warm_up_prompts_are_not_timed_prompts(e2e_url, monkeypatch):
+    # A warm-up that replays a timed prompt puts it in the prefix cache and flatters its TTFT.
+    from meshserve.bench.client import OpenAIStreamClient
+
+    sent = []
+    real_send = OpenAIStreamClient.send
+
+    async def recording_send(self, req):
+        sent.append(req.prompt)
+        return await real_send(self, req)
+
+    monkeypatch.setattr(OpenAIStreamClient, "send", recording_send)
+    cfg = BenchConfig(base_url=e2e_url, num_warmups=2, show_progress=False,
+                      dataset=DatasetConfig(num_prompts=4, input_len=24, output_len=2))
+    result = run_serve(cfg)
+    assert result["completed"] == 4 and len(sent) == 6
+    warm, timed = sent[:2], sent[2:]
+    assert not set(warm) & set(timed)

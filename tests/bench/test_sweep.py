@@ -61,3 +61,39 @@ def test_sweep_stops_at_the_first_failure_and_reports_the_curve(tmp_path):
 def test_sweep_requires_slos():
     with pytest.raises(ValueError, match="--goodput"):
         run_bench(["sweep", "--base-url", "http://127.0.0.1:9", "--request-rates", "1,2"])
+
+
+class _RecordingBench:
+    """Stands in for Benchmark: draws prompts by seed and records what each point sent."""
+
+    def __init__(self, config):
+        self.config, self.sent = config, []
+
+    async def load_requests(self, seed_offset=0, count=None):
+        from meshserve.bench.datasets import BenchRequest
+
+        seed = self.config.dataset.seed + seed_offset
+        return [BenchRequest(prompt=f"prompt {seed}-{i}", prompt_len=3, output_len=4) for i in range(3)]
+
+    async def run(self, requests, load, label=None):
+        self.sent.append([r.prompt for r in requests])
+        passed = load.request_rate < 3
+        return {"slo_attainment": 1.0 if passed else 0.0, "per_request": [], "environment": {}}
+
+    async def environment(self):
+        return {}
+
+
+def test_every_sweep_point_sends_prompts_no_earlier_point_sent():
+    # Replaying one prompt set would let every point after the first hit the prefix cache.
+    import asyncio
+
+    from meshserve.bench.config import BenchConfig, DatasetConfig
+    from meshserve.bench.sweep import run_sweep
+
+    bench = _RecordingBench(BenchConfig(base_url="http://127.0.0.1:1", goodput={"ttft": 100.0},
+                                        dataset=DatasetConfig(seed=7)))
+    result = asyncio.run(run_sweep(bench, SweepConfig("rate", (1.0, 2.0, 4.0), refine_steps=1)))
+    assert [p["load"] for p in result["points"]] == [1.0, 2.0, 3.0, 4.0]
+    seen = [p for point in bench.sent for p in point]
+    assert len(seen) == len(set(seen)) == 4 * 3

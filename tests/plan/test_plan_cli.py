@@ -94,9 +94,22 @@ def test_calibrate_caches_and_this_machine_reuses_it(capsys, tmp_path):
     saved = json.loads(cache.read_text())
     assert saved["matmul_flops"] > 0 and saved["memory_bandwidth"] > 0
     assert saved["allreduce_latency_s"] > 0 and saved["allreduce_bandwidth"] > 0
+    rows = [r for r, _ in saved["gemm_profile"]]
+    assert rows == sorted(rows) and rows[0] == 1 and all(t > 0 for _, t in saved["gemm_profile"])
+    # More rows share each weight byte's read, up to the point where arithmetic binds.
+    assert saved["gemm_profile"][-1][1] / saved["gemm_profile"][0][1] < rows[-1]
+    assert saved["attention_flops"] > 0 and saved["op_overhead_s"] > 0
     assert doc["gpu"]["name"] == "this-machine" and doc["gpu"]["measured"]
     assert doc["gpu"]["hbm_bandwidth"] == saved["memory_bandwidth"]
     assert doc["inputs"]["compute_efficiency"] == 1.0     # measured rates are achievable rates
     again = run_json(capsys, ["plan", "--gpu", "this-machine", "--calibration-file", str(cache),
                               "--model", "SmolLM2-135M", "--weight-dtype", "fp32"])
     assert again["gpu"] == doc["gpu"]
+    # A calibration saved before the profile existed still loads, and plans by the rooflines.
+    for key in ("gemm_profile", "attention_flops", "op_overhead_s"):
+        saved.pop(key)
+    cache.write_text(json.dumps(saved))
+    old = run_json(capsys, ["plan", "--gpu", "this-machine", "--calibration-file", str(cache),
+                            "--model", "SmolLM2-135M", "--weight-dtype", "fp32"])
+    assert old["gpu"]["gemm_profile"] in ([], None, ())
+    assert old["layouts"][0]["time"]["prefill_ms"] < doc["layouts"][0]["time"]["prefill_ms"]

@@ -242,3 +242,64 @@ def test_every_layout_the_planner_ranks_is_one_the_engine_accepts():
         "hidden_size": 576, "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
         "intermediate_size": 1536, "vocab_size": 49152})) == smol.sharded_dims
     assert not layouts("SmolLM2-135M", "H200", 9)["TP9 PP1 DP1"].valid
+
+
+def _profiled_cpu(**extra):
+    """A CPU-like measured machine: 20 GB/s while few rows stream the weights, 200 GFLOP/s when
+    many rows make the layer compute-bound (the profile's seconds per weight byte, fp32)."""
+    import dataclasses
+
+    profile = tuple((r, max(1 / 20e9, 2 * r / 4 / 200e9)) for r in (1, 8, 64, 512))
+    base = get_gpu("L40S")
+    fields = dict(name="this-machine", measured=True, hbm_bandwidth=20e9, fp32_flops=300e9,
+                  bf16_flops=300e9, gemm_profile=profile, attention_flops=80e9, op_overhead_s=4e-6)
+    return dataclasses.replace(base, **{**fields, **extra})
+
+
+def test_gemm_profile_interpolates_by_rows_and_scales_past_the_last():
+    gpu = _profiled_cpu()
+    assert gpu.linear_seconds_per_byte(1) == pytest.approx(1 / 20e9)
+    assert gpu.linear_seconds_per_byte(0.5) == pytest.approx(1 / 20e9)     # below the first row count
+    mid = gpu.linear_seconds_per_byte(288)                                  # halfway from 64 to 512
+    assert mid == pytest.approx((gpu.linear_seconds_per_byte(64) + gpu.linear_seconds_per_byte(512)) / 2)
+    assert gpu.linear_seconds_per_byte(1024) == pytest.approx(2 * gpu.linear_seconds_per_byte(512))
+    assert get_gpu("L40S").linear_seconds_per_byte(8) is None              # datasheets have no profile
+
+
+def test_a_measured_profile_replaces_the_roofline_for_dense_models():
+    spec = get_model("SmolLM2-135M")
+    profiled = make_perf_model(spec, _profiled_cpu(), 1, 1, weight_dtype="fp32", kv_dtype="fp32",
+                               gpus_per_node=1, compute_efficiency=1.0)
+    roofline = make_perf_model(spec, _profiled_cpu(gemm_profile=()), 1, 1, weight_dtype="fp32",
+                               kv_dtype="fp32", gpus_per_node=1, compute_efficiency=1.0)
+    stage = profiled.stages[0]
+    gpu = profiled.gpu
+    # Decode, 8 rows: every weight byte at the 8-row rate, the head too (8 sampled rows), plus the
+    # cache read, the attention arithmetic and the kernel calls, added rather than overlapped.
+    expected = ((stage.dense_read + stage.head) * 4 * gpu.linear_seconds_per_byte(8)
+                + 8 * 300 * stage.kv_entries * 4 / gpu.hbm_bandwidth
+                + 8 * 300 * profiled._attn_flops_per_ctx_token(stage) / gpu.attention_flops
+                + stage.num_layers * 12 * gpu.op_overhead_s)
+    assert profiled.decode_step_time(8, 300) == pytest.approx(expected)
+    assert profiled.decode_step_time(8, 300) > roofline.decode_step_time(8, 300)
+    # Prefill: the head computes one row, the body all 256.
+    body = stage.dense_read * 4 * gpu.linear_seconds_per_byte(256)
+    assert profiled.prefill_time(256) > body + stage.head * 4 * gpu.linear_seconds_per_byte(1)
+
+
+def test_median_ttft_skips_the_queue_until_half_the_time_is_prefill():
+    spec = get_model("SmolLM2-135M")
+    perf = make_perf_model(spec, _profiled_cpu(), 1, 1, weight_dtype="fp32", kv_dtype="fp32",
+                           gpus_per_node=1, compute_efficiency=1.0)
+    work = Workload(256, 128)
+    occupancy = perf.prefill_occupancy(256)
+    light = operating_point(perf, 1000, work, 0.3 / occupancy)
+    assert light.ttft_p50_s < light.ttft_s                  # the mean counts the queue, the median not
+    assert light.ttft_s - light.ttft_p50_s == pytest.approx(light.queue_s)
+    heavy = operating_point(perf, 1000, work, 0.8 / occupancy)
+    assert light.ttft_p50_s < heavy.ttft_p50_s < heavy.ttft_s
+    # A prefill step carries the decoding sequences' next tokens: at a low rate the inter-token
+    # latency is the decode step itself, and it grows with the share of time spent prefilling.
+    idle = operating_point(perf, 1000, work, 1e-6)
+    assert idle.itl_s == pytest.approx(perf.decode_step_time(max(idle.concurrency, 1.0), 256 + 64), rel=1e-3)
+    assert idle.itl_s < light.itl_s < heavy.itl_s

