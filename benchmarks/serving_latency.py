@@ -141,7 +141,8 @@ def run_engines(a: argparse.Namespace, found: list[Engine]) -> None:
         servers = []
         for engine in found:
             port = free_port()
-            with tempfile.NamedTemporaryFile(prefix=f"{engine.name}-serve-", suffix=".log", delete=False) as log:
+            slug = "-".join(engine.name.replace("--", "").split())
+            with tempfile.NamedTemporaryFile(prefix=f"{slug}-serve-", suffix=".log", delete=False) as log:
                 path = log.name
             server = LaunchedServer([*engine.argv, "--port", str(port)], path, port=port, grace_s=30,
                                     env={**os.environ, **engine.env})

@@ -1,4 +1,4 @@
-"""`meshserve serve | generate | bench | plan`: one CLI, one module per subcommand.
+"""`meshserve serve | gateway | generate | bench | plan`: one CLI, one module per subcommand.
 
 Each subcommand module exposes `register(subparsers)`, which adds its parser and sets
 `func` to the callable that runs it. Modules import heavy dependencies (torch) lazily so
@@ -13,6 +13,7 @@ import sys
 # Order is the order shown in --help.
 SUBCOMMAND_MODULES = [
     "meshserve.entrypoints.serve_cli",
+    "meshserve.entrypoints.gateway_cli",
     "meshserve.entrypoints.generate_cli",
     "meshserve.bench.cli",
     "meshserve.plan.cli",
@@ -23,7 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="meshserve",
         description="Serve large language models beyond one device: size it (plan), run it "
-        "(serve, generate), and measure it (bench).",
+        "(serve, generate), front a fleet of replicas (gateway), and measure it (bench).",
         epilog="Example: meshserve generate --prompt 'What is the capital of France?'",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")

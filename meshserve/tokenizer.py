@@ -50,6 +50,10 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def identity(self) -> str:
+        """Everything that decides token ids: the vocabulary, merges, pre-tokenizer and BOS rule."""
+        return f"{self._tok.to_str()}|bos={self.bos_token}|add_bos={self.add_bos}"
+
     def id_to_token(self, token_id: int) -> str | None:
         return self._tok.id_to_token(token_id)
 

@@ -83,8 +83,22 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class TokenizeRequest(StrictModel):
+    """A text prompt, or chat messages rendered with the chat template first (vLLM's two shapes)."""
     model: str | None = None
-    prompt: str
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = True
+
+
+class ReservationRequest(StrictModel):
+    """POST /v1/reservations: the KV blocks a request will need, asked for before it is sent."""
+    prompt_token_ids: list[int] = Field(min_length=1)
+    max_tokens: int = Field(ge=1)
+    n: int = Field(default=1, ge=1, le=128)
+    ttl_s: float = Field(default=30.0, gt=0, le=3600)  # an unused lease ends after this long
+    request_id: str = Field(default="", max_length=128)
+    attempt_id: str = Field(default="", max_length=64)
 
 
 class DetokenizeRequest(StrictModel):

@@ -15,12 +15,21 @@ sequences (failed with it) ever saw them: no later request can hit K/V that was 
 Free blocks sit in one LRU queue. A released block keeps its hash and stays reusable until it is
 evicted from the head of the queue; a request's blocks are released tail-first, so its last
 (least shareable) blocks are evicted first. A hit on a free block takes it out of the queue.
+
+Reservations (leases) promise blocks to a request before it arrives. A lease holds back `blocks`
+free blocks and pins the cached prefix it was sized against (so that prefix cannot be evicted
+before the request uses it). The invariant is `free blocks >= held back`: work without a lease may
+only take blocks beyond what leases hold back, and a leased sequence draws on its own lease, so a
+granted lease can always be honoured without preempting anyone. One block manager serves every
+rank of a replica (the KV budget is the smallest rank's), so a grant is atomic for all ranks.
 """
 from __future__ import annotations
 
 import itertools
 from collections import OrderedDict
+from typing import Sequence as Tokens
 
+from meshserve.engine.block_hash import extend_chain, root_hash
 from meshserve.engine.sequence import Sequence
 
 _ROOT = 0  # the parent id of a sequence's first block
@@ -38,6 +47,30 @@ class Block:
         self.parent_cache_id = _ROOT
 
 
+class ReservationError(ValueError):
+    """A request names a lease that cannot cover it (ended, expired, in use, too small)."""
+
+
+class Lease:
+    """Blocks promised to one request (or one attempt of it) until it ends or the lease expires."""
+    __slots__ = ("lease_id", "request_id", "attempt_id", "blocks", "expires_at", "pinned", "taken", "bound_to")
+
+    def __init__(self, lease_id: str, request_id: str, attempt_id: str, blocks: int, expires_at: float,
+                 pinned: list[Block]) -> None:
+        self.lease_id = lease_id
+        self.request_id = request_id  # the client's request (for the ledger and traces)
+        self.attempt_id = attempt_id
+        self.blocks = blocks  # blocks promised beyond the pinned prefix
+        self.expires_at = expires_at  # monotonic; an unbound lease ends then
+        self.pinned = pinned  # the cached prefix the size was computed against
+        self.taken = 0  # blocks its request took out of the free queue so far
+        self.bound_to: str | None = None  # the engine request drawing on it
+
+    @property
+    def remaining(self) -> int:
+        return max(0, self.blocks - self.taken)
+
+
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
                  extra_hash_key: str = ""):
@@ -46,7 +79,7 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.root_hash = hash(("meshserve-kv", extra_hash_key))
+        self.root_hash = root_hash(extra_hash_key)
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_queue: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks)
         self.cached: dict[int, Block] = {}
@@ -55,6 +88,9 @@ class BlockManager:
         # Token counts, cumulative: prompt tokens of admitted sequences, and those found cached.
         self.prefix_queries = 0
         self.prefix_hits = 0
+        self.leases: dict[str, Lease] = {}
+        self.held_back = 0  # sum of the leases' remaining blocks: never more than the free blocks
+        self.peak_reserved = 0  # most blocks ever promised at once (leases' blocks plus pins)
 
     # ---- accounting --------------------------------------------------------------------
     @property
@@ -68,13 +104,7 @@ class BlockManager:
 
     # ---- prefix cache ------------------------------------------------------------------
     def _block_hashes(self, seq: Sequence, num_full_blocks: int) -> list[int]:
-        bs = self.block_size
-        hashes = seq.block_hashes
-        while len(hashes) < num_full_blocks:
-            i = len(hashes)
-            parent = hashes[-1] if hashes else self.root_hash
-            hashes.append(hash((parent, tuple(seq.token_ids[i * bs:(i + 1) * bs]))))
-        return hashes
+        return extend_chain(seq.block_hashes, seq.token_ids, self.block_size, self.root_hash, num_full_blocks)
 
     def _block_tokens(self, seq: Sequence, i: int) -> tuple[int, ...]:
         return tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
@@ -82,14 +112,19 @@ class BlockManager:
     def find_cached_prefix(self, seq: Sequence) -> list[Block]:
         """Longest run of cached full blocks at the start of `seq`, leaving at least one token to
         compute (its logits are needed to sample)."""
+        num_full = (seq.num_tokens - 1) // self.block_size
         if not self.enable_prefix_caching:
             return []
+        return self._cached_run(seq.token_ids, self._block_hashes(seq, num_full)[:num_full])
+
+    def _cached_run(self, token_ids: Tokens[int], hashes: list[int]) -> list[Block]:
         hits: list[Block] = []
-        num_full = (seq.num_tokens - 1) // self.block_size
-        for i, h in enumerate(self._block_hashes(seq, num_full)[:num_full]):
+        bs = self.block_size
+        for i, h in enumerate(hashes):
             block = self.cached.get(h)
             parent = hits[-1].cache_id if hits else _ROOT
-            if block is None or block.parent_cache_id != parent or block.token_ids != self._block_tokens(seq, i):
+            if block is None or block.parent_cache_id != parent \
+                    or block.token_ids != tuple(token_ids[i * bs:(i + 1) * bs]):
                 break
             hits.append(block)
         return hits
@@ -103,8 +138,15 @@ class BlockManager:
         have = len(seq.block_table) + len(cached_prefix)
         need = -(-(num_computed + num_new_tokens) // self.block_size) - have
         reusable = sum(1 for b in cached_prefix if b.ref_count == 0)  # those leave the free queue
-        if need > len(self.free_queue) - reusable:
+        lease = seq.lease
+        # Blocks held back for leases are out of reach, except the ones held for this sequence.
+        headroom = len(self.free_queue) - self.held_back + (lease.remaining if lease is not None else 0)
+        if max(0, need) + reusable > headroom:
             return False
+        if lease is not None:
+            drawn = max(0, need) + reusable
+            self.held_back -= min(drawn, lease.remaining)
+            lease.taken += drawn
         for b in cached_prefix:
             if b.ref_count == 0:
                 del self.free_queue[b.block_id]
@@ -170,6 +212,78 @@ class BlockManager:
         seq.block_table = []
         seq.chain_ids = []
         seq.num_computed_tokens = 0
+
+    # ---- reservations --------------------------------------------------------------------
+    def reserve(self, lease_id: str, token_ids: Tokens[int], max_new_tokens: int, num_seqs: int,
+                expires_at: float, request_id: str = "", attempt_id: str = "") -> Lease | None:
+        """Promise the blocks a request of `token_ids` plus `max_new_tokens` (times `num_seqs`
+        samples) needs beyond what is cached for its prefix now; None (changing nothing) when the
+        blocks not held back for other leases do not cover it."""
+        prefix = self._prefix_for(token_ids)
+        per_seq = -(-(len(token_ids) + max_new_tokens) // self.block_size) - len(prefix)
+        blocks = num_seqs * per_seq
+        pins_from_free = sum(1 for b in prefix if b.ref_count == 0)
+        if blocks + pins_from_free > len(self.free_queue) - self.held_back:
+            return None
+        for b in prefix:
+            if b.ref_count == 0:
+                del self.free_queue[b.block_id]
+            b.ref_count += 1
+        lease = Lease(lease_id, request_id, attempt_id, blocks, expires_at, prefix)
+        self.leases[lease_id] = lease
+        self.held_back += blocks
+        self.peak_reserved = max(self.peak_reserved, self.reserved_blocks)
+        return lease
+
+    def _prefix_for(self, token_ids: Tokens[int]) -> list[Block]:
+        if not self.enable_prefix_caching:
+            return []
+        num_full = (len(token_ids) - 1) // self.block_size  # as find_cached_prefix leaves one to compute
+        return self._cached_run(token_ids, extend_chain([], token_ids, self.block_size, self.root_hash, num_full))
+
+    @property
+    def reserved_blocks(self) -> int:
+        """Blocks promised by live leases: their blocks plus the prefix blocks they pin (a block
+        pinned by several leases counts once)."""
+        pinned = {b.block_id for lease in self.leases.values() for b in lease.pinned}
+        return sum(lease.blocks for lease in self.leases.values()) + len(pinned)
+
+    def bind(self, lease_id: str, request_id: str, seqs: list[Sequence], max_new_tokens: int) -> Lease:
+        """Let `seqs` (one request) draw on the lease. ValueError when the lease is unknown (ended or
+        expired), already used, or too small for the request."""
+        lease = self.leases.get(lease_id)
+        if lease is None:
+            raise ReservationError(f"reservation {lease_id!r} does not exist (it ended or expired)")
+        if lease.bound_to is not None:
+            raise ReservationError(f"reservation {lease_id!r} is already used by another request")
+        tokens = seqs[0].token_ids
+        bs = self.block_size
+        pinned_match = all(b.token_ids == tuple(tokens[i * bs:(i + 1) * bs]) for i, b in enumerate(lease.pinned)) \
+            and len(lease.pinned) * bs < len(tokens)
+        need = len(seqs) * (-(-(len(tokens) + max_new_tokens) // bs) - (len(lease.pinned) if pinned_match else 0))
+        if need > lease.blocks:
+            raise ReservationError(f"reservation {lease_id!r} holds {lease.blocks} blocks; this request needs {need}")
+        lease.bound_to = request_id
+        for s in seqs:
+            s.lease = lease
+        return lease
+
+    def release(self, lease_id: str) -> Lease | None:
+        """End a lease: what it still held back and its pins return to the pool (a no-op if gone)."""
+        lease = self.leases.pop(lease_id, None)
+        if lease is None:
+            return None
+        self.held_back -= lease.remaining
+        lease.taken = lease.blocks
+        for b in lease.pinned:
+            b.ref_count -= 1
+            if b.ref_count == 0:
+                self.free_queue[b.block_id] = b
+        lease.pinned = []
+        return lease
+
+    def expired_leases(self, now: float) -> list[Lease]:
+        return [lease for lease in self.leases.values() if lease.expires_at <= now]
 
     def reset_prefix_cache(self) -> None:
         for block in self.blocks:

@@ -8,11 +8,12 @@ from __future__ import annotations
 import logging
 import sys
 import time
+import uuid
 from dataclasses import dataclass, field
 
 from meshserve.config import EngineConfig
 from meshserve.engine.block_manager import BlockManager
-from meshserve.engine.messages import RequestDelta
+from meshserve.engine.messages import RequestDelta, ReserveRequest
 from meshserve.engine.output import RequestState
 from meshserve.engine.scheduler import Scheduler, SchedulerOutput
 from meshserve.engine.sequence import Sequence
@@ -39,6 +40,10 @@ class EngineStats:
     num_preemptions: int
     num_free_blocks: int
     num_blocks: int
+    reserved_blocks: int = 0  # promised to leases (see BlockManager.reserve)
+    num_leases: int = 0
+    pending_prefill_tokens: int = 0  # prompt tokens admitted or waiting that are not computed yet
+    block_size: int = 16
     last_step_compute_s: float = 0.0
     last_step_comm_s: float = 0.0
     # Per-rank compute/communication seconds (last step and totals): Executor.timing_snapshot().
@@ -115,9 +120,10 @@ class LLMEngine:
 
     # ---- requests ----------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    arrival_time: float | None = None) -> list[int]:
+                    arrival_time: float | None = None, lease_id: str | None = None) -> list[int]:
         """Queue a request; returns its prompt token ids. ValueError (naming the problem) for a
-        request the engine cannot serve: nothing is queued then."""
+        request the engine cannot serve: nothing is queued then. With `lease_id` the request draws
+        on that reservation (and is never preempted); the lease ends when the request does."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
@@ -132,7 +138,13 @@ class LLMEngine:
         params._eos_token_ids = () if params.ignore_eos else self.eos_token_ids
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         seqs = [Sequence(request_id, i, ids, params, arrival) for i in range(params.n)]
+        if lease_id is not None:
+            self.reconcile_leases()
+            max_new = min(params.max_tokens, self.max_model_len - len(ids)) if params.max_tokens is not None \
+                else self.max_model_len - len(ids)
+            self.block_manager.bind(lease_id, request_id, seqs, max_new)
         state = RequestState(request_id, ids, params, self.tokenizer, arrival, seqs)
+        state.lease_id = lease_id
         self.requests[request_id] = state
         for s in seqs:
             self.seq_to_request[s.seq_id] = state
@@ -158,6 +170,8 @@ class LLMEngine:
     def _retire(self, state: RequestState, now: float) -> None:
         state.metrics.finished_time = now
         del self.requests[state.request_id]
+        if state.lease_id is not None:  # completion, abort or failure: the lease ends with it
+            self.block_manager.release(state.lease_id)
         for seq in state.seqs:
             self.seq_to_request.pop(seq.seq_id, None)
             self._finished_seq_ids.append(seq.seq_id)
@@ -282,11 +296,60 @@ class LLMEngine:
         if sample.finished:
             self.scheduler.finish(seq, sample.finish_reason, sample.stop_reason)
 
+    # ---- reservations ------------------------------------------------------------------
+    def reserve(self, req: ReserveRequest) -> dict | None:
+        """Grant a lease for `req` against the blocks not held back already, or None."""
+        self.reconcile_leases()
+        if not req.prompt_token_ids or len(req.prompt_token_ids) >= self.max_model_len:
+            raise ValueError(f"prompt_token_ids must hold 1 to {self.max_model_len - 1} tokens")
+        max_new = min(req.max_tokens, self.max_model_len - len(req.prompt_token_ids))
+        lease = self.block_manager.reserve(uuid.uuid4().hex, req.prompt_token_ids, max_new, req.n,
+                                           time.monotonic() + req.ttl_s, req.request_id, req.attempt_id)
+        return None if lease is None else self._lease_info(lease, time.monotonic())
+
+    def release_lease(self, lease_id: str) -> bool:
+        """End a lease that no request is using (a bound lease ends with its request: abort that)."""
+        lease = self.block_manager.leases.get(lease_id)
+        if lease is None:
+            return False
+        if lease.bound_to is not None and lease.bound_to in self.requests:
+            self.abort_request(lease.bound_to)
+        self.block_manager.release(lease_id)
+        return True
+
+    def reconcile_leases(self) -> None:
+        """Expired leases: one whose request is still running here keeps its blocks until that request
+        ends; any other (never used, or its request is gone) returns its blocks now."""
+        bm = self.block_manager
+        for lease in bm.expired_leases(time.monotonic()):
+            if lease.bound_to is None or lease.bound_to not in self.requests:
+                logger.info("reservation %s of request %s expired unused; its %d blocks return",
+                            lease.lease_id, lease.request_id, lease.blocks)
+                bm.release(lease.lease_id)
+
+    def leases(self) -> dict:
+        """The ledger: every live lease and the totals, for GET /v1/reservations."""
+        self.reconcile_leases()
+        bm, now = self.block_manager, time.monotonic()
+        return {"num_blocks": bm.num_blocks, "block_size": bm.block_size, "free_blocks": bm.num_free_blocks,
+                "reserved_blocks": bm.reserved_blocks, "held_back_blocks": bm.held_back,
+                "peak_reserved_blocks": bm.peak_reserved,
+                "leases": [self._lease_info(lease, now) for lease in bm.leases.values()]}
+
+    def _lease_info(self, lease, now: float) -> dict:
+        return {"lease_id": lease.lease_id, "request_id": lease.request_id, "attempt_id": lease.attempt_id,
+                "blocks": lease.blocks, "pinned_blocks": len(lease.pinned), "taken_blocks": lease.taken,
+                "bound": lease.bound_to is not None, "expires_in_s": round(lease.expires_at - now, 3)}
+
     def get_stats(self) -> EngineStats:
         bm = self.block_manager
+        sched = self.scheduler
+        pending = sum(s.num_tokens - s.num_computed_tokens for s in sched.waiting) + sum(
+            s.num_tokens - s.num_computed_tokens for s in sched.running if s.num_computed_tokens < s.num_prompt_tokens)
         return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), bm.usage, bm.prefix_queries,
                            bm.prefix_hits, self.num_prompt_tokens, self.num_generation_tokens,
                            self.scheduler.num_preemptions, bm.num_free_blocks, bm.num_blocks,
+                           bm.reserved_blocks, len(bm.leases), pending, bm.block_size,
                            self.last_step_compute_s, self.last_step_comm_s,
                            parallel_timing=self.executor.timing_snapshot(),
                            expert_load=self.executor.expert_load_snapshot(),

@@ -96,6 +96,7 @@ class RequestState:
                                     params) for i in range(params.n)]
         self.metrics = RequestMetrics(arrival_time=arrival)
         self.error: str | None = None
+        self.lease_id: str | None = None  # the KV reservation it draws on
 
     @property
     def finished(self) -> bool:

@@ -6,6 +6,10 @@ starved by a long prompt), then waiting ones in arrival order. A long prompt is 
 (chunked prefill), a prefix-cache hit simply starts a sequence with tokens already computed.
 When blocks run out, the most recently admitted running sequence is preempted: its blocks are freed
 and it waits at the head of the queue to be recomputed later (its generated tokens are kept).
+
+A sequence with a lease (a KV reservation) is never preempted and never waits for blocks: its blocks
+are held back from everyone else, so when the head of the queue cannot be admitted, leased sequences
+behind it still are.
 """
 from __future__ import annotations
 
@@ -69,36 +73,56 @@ class Scheduler:
             seq = self.running[i]
             start = seq.num_computed_tokens
             n = min(seq.num_tokens - start, budget)
-            if n > 1:  # a prompt still being prefilled, chunk by chunk
+            prefilling = n > 1  # a prompt still being prefilled, chunk by chunk
+            if prefilling:
                 n = min(n, prefill_left)
                 if n == 0:
                     i += 1
                     continue
-                prefill_left -= n
+            stalled = False
             while not self.bm.allocate_slots(seq, n):
-                victim = self.running.pop()
+                victim = self._victim(i)
+                if victim is None:  # only leased sequences left to preempt: this one waits a step
+                    stalled = True
+                    break
+                self.running.remove(victim)
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is seq:
                     break
             if seq.status is not SequenceStatus.RUNNING:
                 break
+            i += 1
+            if stalled:
+                continue
+            if prefilling:
+                prefill_left -= n
             out.scheduled.append(ScheduledSeq(seq, start, n))
             budget -= n
-            i += 1
         # Admitting new work right after a preemption would only thrash the cache.
-        while not out.preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
+        blocked = False  # the queue's head did not fit: only leased sequences may pass it
+        w = 0
+        while not out.preempted and w < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[w]
+            if blocked and seq.lease is None:
+                if not self.bm.leases:
+                    break
+                w += 1
+                continue
             prefix = self.bm.find_cached_prefix(seq)
             start = len(prefix) * self.bm.block_size
             n = seq.num_tokens - start
             if n > budget and not self.enable_chunked_prefill:
                 break
             n = min(n, budget, prefill_left)
-            if n <= 0 or not self.bm.allocate_slots(seq, n, prefix):
+            if n <= 0:
                 break
+            if not self.bm.allocate_slots(seq, n, prefix):
+                blocked = True
+                w += 1
+                continue
             prefill_left -= n
-            self.waiting.popleft()
+            del self.waiting[w]
             if seq.num_cached_tokens < 0:  # first admission; a preempted sequence's return is not a query
                 seq.num_cached_tokens = start
                 self.bm.prefix_queries += seq.num_tokens
@@ -108,6 +132,14 @@ class Scheduler:
             out.scheduled.append(ScheduledSeq(seq, start, n))
             budget -= n
         return out
+
+    def _victim(self, first: int) -> Sequence | None:
+        """The most recently admitted running sequence without a lease, among those not scheduled
+        yet this step (from index `first` on)."""
+        for seq in reversed(self.running[first:]):
+            if seq.lease is None:
+                return seq
+        return None
 
     def _prefill_allowance(self) -> int | float:
         """Prompt tokens this step may compute. With a cap set and sequences decoding, prompts join

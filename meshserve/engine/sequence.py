@@ -35,6 +35,7 @@ class Sequence:
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
         self.sampler_has_history = False  # the sampling rank holds its penalty state
+        self.lease = None  # block_manager.Lease its blocks are promised by (never preempted then)
 
     @property
     def num_tokens(self) -> int:

@@ -10,6 +10,7 @@ _EPILOG = """\
 examples:
   meshserve serve                                   # embedded default model on 127.0.0.1:8000
   meshserve serve model.gguf --port 8080 --max-model-len 4096 --api-key secret
+  meshserve serve --data-parallel-size 2 --gateway   # 2 replica servers + a cache-aware gateway on :8000
   curl http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \\
        -d '{"messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 32}'
 """
@@ -50,10 +51,32 @@ def register(subparsers) -> None:
     g.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, metavar="BYTES",
                    help="larger request bodies get 413 (default: %(default)s)")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    p.set_defaults(func=run)
+    add_fleet_options(p)
+    p.set_defaults(func=run, _parser=p)
+
+
+# Options of the one-command fleet that its replicas are not started with.
+_FLEET_ONLY = {"gateway", "data_parallel_size", "host", "port", "api_key", "policy"}
+
+
+def add_fleet_options(p: argparse.ArgumentParser) -> None:
+    from meshserve.engine.routing import POLICIES, CacheAwareConfig
+    from meshserve.entrypoints.gateway_cli import add_gateway_options
+
+    g = p.add_argument_group("fleet (--gateway)")
+    g.add_argument("--gateway", action="store_true",
+                   help="with --data-parallel-size N: start N replica servers on free loopback ports and a "
+                        "gateway on --host/--port in front of them (see `meshserve gateway --help`)")
+    g.add_argument("--policy", default="cache_aware", choices=list(POLICIES),
+                   help="with --gateway: how the gateway picks a replica (default: %(default)s)")
+    before = {a.dest for a in p._actions}
+    add_gateway_options(p, CacheAwareConfig(), shared=False)
+    _FLEET_ONLY.update(a.dest for a in p._actions if a.dest not in before)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.gateway:
+        return _run_fleet(args)
     from meshserve.config import EngineConfig
     from meshserve.server.launcher import run_server
     from meshserve.server.server_config import ServerConfig
@@ -66,3 +89,15 @@ def run(args: argparse.Namespace) -> int:
         data_parallel_size=args.data_parallel_size, log_level=args.log_level)
     engine_config = EngineConfig.from_cli_args(args)  # takes served_model_name too
     return run_server(engine_config, server_config)
+
+
+def _run_fleet(args: argparse.Namespace) -> int:
+    import sys
+
+    from meshserve.entrypoints.gateway_cli import config_from_args
+    from meshserve.entrypoints.local_fleet import replica_argv, run_fleet
+
+    if not 1 <= args.data_parallel_size <= 64:
+        raise ValueError(f"--data-parallel-size must be in [1, 64] with --gateway, got {args.data_parallel_size}")
+    argv = sys.argv[sys.argv.index("serve") + 1:] if "serve" in sys.argv else []
+    return run_fleet(args, replica_argv(argv, args._parser, _FLEET_ONLY), config_from_args)

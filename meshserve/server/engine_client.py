@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import itertools
 import logging
 import multiprocessing as mp
 import queue
@@ -27,7 +28,7 @@ from typing import Any, AsyncIterator, Callable, Sequence
 
 from meshserve.distributed.expert_load import merge_snapshots
 from meshserve.distributed.placement import ReplicaPlacement, available_cores, place
-from meshserve.engine.messages import AddRequest, RequestDelta
+from meshserve.engine.messages import AddRequest, RequestDelta, ReserveRequest
 from meshserve.engine.routing import LeastLoad, ReplicaLoad, RouteRequest, RoutingPolicy
 from meshserve.sampling_params import SamplingParams
 from meshserve.server.engine_core import run_engine_core
@@ -45,6 +46,10 @@ class EngineRejectedError(ValueError):
 
 class EngineRequestFailed(RuntimeError):
     """The engine failed this request (a step it was in raised); the engine serves on."""
+
+
+class EngineCallError(ValueError):
+    """The engine refused a call (its message says why: an unknown lease, an unsupported call)."""
 
 
 @dataclass
@@ -127,6 +132,8 @@ class EngineClient:
         self.listener = listener
         self.info: EngineInfo | None = None
         self.num_queued_seqs = 0  # sequences submitted with no output yet: the front end's waiting queue
+        self._calls: dict[int, tuple[int, asyncio.Future]] = {}  # reply id -> (engine, its answer)
+        self._reply_ids = itertools.count()
         self.gave_up = False
         self.on_give_up: Callable[[str], None] = lambda reason: None
 
@@ -289,10 +296,19 @@ class EngineClient:
                 self._on_delta(delta, now)
         elif kind == "stats":
             r.stats = msg[1]
+        elif kind == "reply":
+            _, reply_id, result, error = msg
+            _, future = self._calls.pop(reply_id, (None, None))
+            if future is not None and not future.done():
+                if error is not None:
+                    future.set_exception(EngineCallError(error))
+                else:
+                    future.set_result(result)
         elif kind == "reject":
             state = self._finish(msg[1])
-            if state is not None:
-                state.sink.put_nowait(EngineRejectedError(msg[2]))
+            if state is not None:  # a refused reservation is the caller's to redo, not a bad request
+                error = EngineCallError if msg[3:] == ("reservation",) else EngineRejectedError
+                state.sink.put_nowait(error(msg[2]))
         elif kind == "fatal":
             self._on_engine_death(r, msg[1])
 
@@ -308,6 +324,11 @@ class EngineClient:
                                                               "this request; it is being restarted"))
         if failed and self.listener is not None:
             self.listener.on_failed(len(failed))
+        for reply_id, (rank, future) in list(self._calls.items()):
+            if rank == r.rank:  # its leases died with it
+                del self._calls[reply_id]
+                if not future.done():
+                    future.set_exception(EngineDeadError(f"engine {r.rank} stopped"))
         self._schedule_restart(r)
 
     def _schedule_restart(self, r: _Replica) -> None:
@@ -390,7 +411,12 @@ class EngineClient:
                 self.num_queued_seqs -= state.num_seqs
         return state
 
-    def _pick_engine(self, prompt_ids: list[int]) -> _Replica:
+    def _pick_engine(self, prompt_ids: list[int], lease_id: str | None = None) -> _Replica:
+        if lease_id is not None:  # the engine that granted the lease
+            r = self._replicas[self._lease_engine(lease_id)]
+            if not r.alive or self._closing:
+                raise EngineDeadError(f"engine {r.rank}, which holds this reservation, is not running")
+            return r
         live = [ReplicaLoad(r.rank, r.outstanding) for r in self._replicas if r.alive]
         if not live or self._closing:
             raise EngineDeadError("no engine is running")
@@ -413,21 +439,26 @@ class EngineClient:
             self.listener.on_aborted(sum(len(v) for v in by_engine.values()))
 
     async def generate(self, requests: Sequence[tuple[str, list[int], SamplingParams]],
-                       arrival_time: float | None = None) -> AsyncIterator[RequestDelta]:
+                       arrival_time: float | None = None, lease_id: str | None = None) -> AsyncIterator[RequestDelta]:
         """Submit engine requests together and yield their deltas as they come, interleaved.
+        `lease_id`: a reservation from reserve(); it covers one engine request.
 
         Leaving early (client gone, consumer cancelled or closed) aborts what has not finished."""
         arrival = time.monotonic() if arrival_time is None else arrival_time
         sink: asyncio.Queue = asyncio.Queue()
         pending = set()
+        if lease_id is not None and len(requests) != 1:
+            raise EngineCallError("a reservation covers one prompt; this request has "
+                                  f"{len(requests)}")
+        engine_lease = None if lease_id is None else lease_id.split(".", 1)[-1]
         try:
             for request_id, prompt_ids, params in requests:
-                r = self._pick_engine(prompt_ids)
+                r = self._pick_engine(prompt_ids, lease_id)
                 self._requests[request_id] = RequestState(sink, r.rank, arrival, params.n)
                 r.outstanding += 1
                 self.num_queued_seqs += params.n
                 pending.add(request_id)
-                r.current.ops.put(("add", AddRequest(request_id, prompt_ids, params, arrival)))
+                r.current.ops.put(("add", AddRequest(request_id, prompt_ids, params, arrival, engine_lease)))
             while pending:
                 item = await sink.get()
                 if isinstance(item, Exception):
@@ -441,6 +472,62 @@ class EngineClient:
         finally:
             if pending:
                 self.abort(pending)
+
+    # ---- reservations (answered by the engines, see engine/messages.py) ------------------------
+    async def call(self, rank: int, method: str, argument=None):
+        """Ask engine `rank` and wait for its answer. EngineCallError: it refused; EngineDeadError:
+        it is not running (or died before answering)."""
+        r = self._replicas[rank]
+        if not r.alive or self._closing or r.current is None:
+            raise EngineDeadError(f"engine {rank} is not running")
+        reply_id = next(self._reply_ids)
+        future = asyncio.get_running_loop().create_future()
+        self._calls[reply_id] = (rank, future)
+        r.current.ops.put(("call", reply_id, method, argument))
+        try:
+            return await future
+        finally:
+            self._calls.pop(reply_id, None)
+
+    async def reserve(self, req: ReserveRequest) -> dict | None:
+        """A lease from the first engine that grants it, those with the most unpromised free blocks
+        asked first; None when none can. Its lease id names the engine ("<rank>.<id>")."""
+        live = sorted((r for r in self._replicas if r.alive), key=lambda r: -(
+            r.stats.get("num_free_blocks", 0) - r.stats.get("reserved_blocks", 0)))
+        if not live or self._closing:
+            raise EngineDeadError("no engine is running")
+        for r in live:
+            try:
+                lease = await self.call(r.rank, "reserve", req)
+            except EngineDeadError:
+                continue
+            if lease is not None:
+                return {**lease, "lease_id": f"{r.rank}.{lease['lease_id']}"}
+        return None
+
+    async def release(self, lease_id: str) -> bool:
+        return bool(await self.call(self._lease_engine(lease_id), "release", lease_id.split(".", 1)[1]))
+
+    async def leases(self) -> list[dict]:
+        """Each live engine's ledger, its lease ids named as reserve() returns them."""
+        out = []
+        for r in self._replicas:
+            if not r.alive:
+                continue
+            try:
+                ledger = await self.call(r.rank, "leases")
+            except EngineDeadError:
+                continue
+            for lease in ledger["leases"]:
+                lease["lease_id"] = f"{r.rank}.{lease['lease_id']}"
+            out.append({"engine": r.rank, **ledger})
+        return out
+
+    def _lease_engine(self, lease_id: str) -> int:
+        rank, sep, rest = lease_id.partition(".")
+        if not sep or not rank.isdigit() or int(rank) >= len(self._replicas) or not rest:
+            raise EngineCallError(f"reservation {lease_id!r} does not exist")
+        return int(rank)
 
     # ---- stats --------------------------------------------------------------------------------
     def parallel_timing(self) -> dict | None:

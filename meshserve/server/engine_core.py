@@ -5,9 +5,12 @@ exist. Outputs go back as deltas (only what is new since the last step), so the 
 O(new tokens) per step whatever the length of the answers. Every step is stamped with this process's
 time.monotonic(), the clock the front end computes latency metrics from.
 
-Front end -> engine: a list of ops per message: ("add", AddRequest), ("abort", [ids]), ("shutdown",).
+Front end -> engine: a list of ops per message: ("add", AddRequest), ("abort", [ids]), ("shutdown",),
+("call", reply_id, method, argument) for the reservation calls (see engine/messages.py).
 Engine -> front end: ("ready", info), ("step", timestamp, [RequestDelta], stats),
-("stats", stats), ("reject", request_id, message), ("fatal", message[, "invalid"]).
+("stats", stats), ("reject", request_id, message[, "reservation"]), ("reply", reply_id, result, error),
+("fatal", message[, "invalid"]). A call is answered between steps, so a grant and the requests
+admitted by the scheduler never interleave: the engine's ledger is the one authority on its KV.
 A step that fails is contained by the engine (its requests finish with "error"); anything else that
 escapes the loop ends the process with "fatal", and the front end's supervisor restarts it.
 """
@@ -24,7 +27,11 @@ from multiprocessing.connection import Connection, wait
 from typing import Any, Callable
 
 from meshserve.distributed.placement import ReplicaPlacement, apply_replica_placement
+from meshserve.engine.block_manager import ReservationError
 from meshserve.engine.messages import AddRequest
+
+# method name -> the engine method that answers it
+_CALLS = {"reserve": "reserve", "release": "release_lease", "leases": "leases"}
 
 
 def build_llm_engine(config) -> Any:
@@ -86,16 +93,36 @@ class EngineLoop:
             if kind == "add":
                 req: AddRequest = op[1]
                 try:
-                    self.engine.add_request(req.request_id, req.prompt_token_ids, req.params,
-                                            arrival_time=req.arrival_time)
+                    if req.lease_id is None:  # engines without reservations keep their signature
+                        self.engine.add_request(req.request_id, req.prompt_token_ids, req.params,
+                                                arrival_time=req.arrival_time)
+                    else:
+                        self.engine.add_request(req.request_id, req.prompt_token_ids, req.params,
+                                                arrival_time=req.arrival_time, lease_id=req.lease_id)
+                except ReservationError as exc:
+                    self.outbox.send(("reject", req.request_id, str(exc), "reservation"))
                 except ValueError as exc:
                     self.outbox.send(("reject", req.request_id, str(exc)))
+            elif kind == "call":
+                self._answer(*op[1:])
             elif kind == "abort":
                 for request_id in op[1]:
                     self.engine.abort_request(request_id)  # a no-op if it finished meanwhile
             elif kind == "shutdown":
                 return False
         return True
+
+    def _answer(self, reply_id: int, method: str, argument) -> None:
+        fn = getattr(self.engine, _CALLS.get(method, ""), None)
+        if fn is None:
+            self.outbox.send(("reply", reply_id, None, f"this engine does not support {method!r}"))
+            return
+        try:
+            result = fn() if argument is None else fn(argument)
+        except ValueError as exc:
+            self.outbox.send(("reply", reply_id, None, str(exc)))
+            return
+        self.outbox.send(("reply", reply_id, result, None))
 
     def _stats(self) -> dict:
         return _stats_dict(self.engine.get_stats())

@@ -4,24 +4,20 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import json
+import hashlib
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, TypeVar
+from typing import Any, AsyncIterator
 
-from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 from starlette.responses import Response
 
-from meshserve.api.errors import (
-    APIError,
-    bad_request,
-    error_body,
-    from_validation_error,
-    from_value_error,
-)
-from meshserve.api.protocol import SamplingFields
+from meshserve.api.errors import APIError, bad_request, error_body, from_value_error
+from meshserve.api.json_body import parse, read_json  # noqa: F401  (the handlers import them from here)
+from meshserve.api.limits import resolve_max_tokens
+from meshserve.api.load import SSE_LOAD_PREFIX, format_load, load_from_stats
+from meshserve.api.protocol import ChatMessage, SamplingFields
 from meshserve.api.sse import (
     DONE,
     EventStreamResponse,
@@ -32,6 +28,7 @@ from meshserve.api.sse import (
 from meshserve.engine.messages import RequestDelta
 from meshserve.sampling_params import SamplingParams
 from meshserve.server.engine_client import (
+    EngineCallError,
     EngineClient,
     EngineDeadError,
     EngineRejectedError,
@@ -39,58 +36,15 @@ from meshserve.server.engine_client import (
 )
 from meshserve.server.server_config import ServerConfig
 
-M = TypeVar("M", bound=BaseModel)
-
 # Tokenize long texts off the event loop so one huge prompt does not stall every other stream.
 _THREAD_TOKENIZE_CHARS = 20_000
 # JSON has no -inf; a token outside the sampling support gets this instead.
 _MIN_LOGPROB = -9999.0
-
-
-def _reject_constant(name: str):
-    raise ValueError(f"{name} is not valid JSON")
-
-
-def _check_strings(obj: Any) -> None:
-    """Reject lone surrogates (JSON escapes like \\ud800): they cannot be encoded as UTF-8."""
-    stack = [obj]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, str):
-            item.encode("utf-8")
-        elif isinstance(item, list):
-            stack.extend(item)
-        elif isinstance(item, dict):
-            stack.extend(item.keys())
-            stack.extend(item.values())
-
-
-async def read_json(request: Request, limit: int) -> Any:
-    size, chunks = 0, []
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise APIError(413, f"request body is larger than {limit} bytes", code="request_too_large")
-        chunks.append(chunk)
-    try:
-        obj = json.loads(b"".join(chunks).decode("utf-8"), parse_constant=_reject_constant)
-        _check_strings(obj)
-    except UnicodeError as exc:
-        raise bad_request(f"request body is not valid UTF-8: {exc.reason}", code="invalid_json") from None
-    except RecursionError:
-        raise bad_request("request body is nested too deeply", code="invalid_json") from None
-    except ValueError as exc:  # JSONDecodeError and the constants above
-        raise bad_request(f"request body is not valid JSON: {exc}", code="invalid_json") from None
-    return obj
-
-
-def parse(model: type[M], obj: Any) -> M:
-    if not isinstance(obj, dict):
-        raise bad_request("request body must be a JSON object", code="invalid_json")
-    try:
-        return model.model_validate(obj)
-    except ValidationError as exc:
-        raise from_validation_error(exc) from None
+# A request that draws on a KV reservation (POST /v1/reservations) names it here.
+RESERVATION_HEADER = "x-reservation-id"
+# "1": every streamed choice also carries the ids of its new tokens (what a gateway needs to resume
+# a stream elsewhere), and chunks with tokens but no text yet are sent too.
+TOKEN_IDS_HEADER = "x-meshserve-token-ids"
 
 
 class ServingContext:
@@ -110,6 +64,16 @@ class ServingContext:
         self.model_name: str = str(info.model_info["id"])  # the served name when one was given
         self.created = int(time.time())
         self._token_strs: dict[int, str] = {}
+        # What a router needs to know before it trusts a prefix cached here: the weights, how text
+        # becomes tokens, and how the engine groups tokens into cache blocks.
+        self.identity = {"revision": info.model_info.get("revision"),
+                         "block_size": int(info.config.get("block_size") or 16),
+                         "tokenizer_hash": tokenizer_hash(self.tokenizer),
+                         "chat_template_hash": _digest(getattr(self.tokenizer, "chat_template", None) or "")}
+
+    def load_report(self) -> str:
+        """The X-Meshserve-Load value: this server's figures now."""
+        return format_load(load_from_stats(self.client.stats(), self.client.num_queued_seqs))
 
     # ---- checks -------------------------------------------------------------------------------
     def check_model(self, name: str | None) -> None:
@@ -147,21 +111,7 @@ class ServingContext:
 
     def max_tokens(self, requested: int | None, prompt_len: int, default: int | None) -> int:
         """The output budget; prompt plus output must fit the context (checked before any model work)."""
-        room = self.max_model_len - prompt_len
-        if room < 1:
-            raise bad_request(f"the prompt has {prompt_len} tokens, which leaves no room for output in "
-                              f"this model's context of {self.max_model_len} tokens", param="prompt",
-                              code="context_length_exceeded")
-        if requested is None:
-            return room if default is None else min(default, room)
-        if requested < 1:
-            raise bad_request(f"max_tokens must be at least 1, got {requested}", param="max_tokens")
-        if requested > room:
-            raise bad_request(f"the prompt has {prompt_len} tokens and max_tokens is {requested}: "
-                              f"{prompt_len + requested} is over this model's context of "
-                              f"{self.max_model_len} tokens", param="max_tokens",
-                              code="context_length_exceeded")
-        return requested
+        return resolve_max_tokens(requested, prompt_len, self.max_model_len, default)
 
     def sampling_params(self, req: SamplingFields, max_tokens: int, logprobs: int | None) -> SamplingParams:
         if req.logit_bias:
@@ -188,6 +138,16 @@ class ServingContext:
         encode = functools.partial(self.tokenizer.encode, text, add_special_tokens=add_special_tokens)
         return await asyncio.to_thread(encode) if len(text) > _THREAD_TOKENIZE_CHARS else encode()
 
+    async def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
+        """Chat messages -> the prompt's token ids, as /v1/chat/completions and /tokenize see them."""
+        try:
+            text = self.tokenizer.apply_chat_template([_message(m) for m in messages],
+                                                      add_generation_prompt=add_generation_prompt)
+        except Exception as exc:  # the template's own checks (roles, order) speak for themselves
+            raise bad_request(f"messages: {exc}", param="messages") from None
+        # The template already wrote the special tokens it wants (as LLM.chat does).
+        return await self.encode(text, "messages", add_special_tokens=False)
+
     def token_str(self, token_id: int) -> str:
         s = self._token_strs.get(token_id)
         if s is None:
@@ -206,13 +166,16 @@ class ServingContext:
         A stream's headers go out only once the first output is there, so a request the engine
         rejects still gets a proper error status; after that, failures end the stream in-band."""
         self.admit(sum(params.n for _, _, params in engine_requests))
-        outputs = self.client.generate(engine_requests, arrival)
+        view.return_token_ids = request.headers.get(TOKEN_IDS_HEADER) == "1"
+        outputs = self.client.generate(engine_requests, arrival, lease_id=request.headers.get(RESERVATION_HEADER))
 
         async def run() -> Response:
             try:
                 if not view.req.stream:
                     return JSONBytesResponse(await view.collect(outputs))
                 first = await outputs.__anext__()
+            except EngineCallError as exc:  # the reservation it names cannot cover it
+                raise APIError(409, str(exc), code="reservation_invalid", request_id=view.request_id) from None
             except EngineRejectedError as exc:
                 raise from_value_error(exc) from None
             except EngineDeadError as exc:
@@ -258,6 +221,7 @@ class ResponseView:
         self.prompt_tokens = prompt_tokens
         self.created = int(time.time())
         self.include_usage = req.stream_options is not None and req.stream_options.include_usage
+        self.return_token_ids = False
 
     def choice_index(self, request_id: str, sample_index: int) -> int:
         return sample_index
@@ -293,12 +257,13 @@ class ResponseView:
         raise NotImplementedError
 
     def events(self, first: RequestDelta, outputs: AsyncIterator[RequestDelta]) -> AsyncIterator[bytes]:
-        return sse_stream(self.chunks(_chain(first, outputs)), outputs, self.request_id)
+        return sse_stream(self.chunks(_chain(first, outputs)), outputs, self.request_id, self.ctx.load_report)
 
 
 async def sse_stream(chunks: AsyncIterator[dict], outputs: AsyncIterator[RequestDelta],
-                     request_id: str) -> AsyncIterator[bytes]:
-    """SSE framing shared by both endpoints; a failure after the stream started is reported in-band."""
+                     request_id: str, load_report) -> AsyncIterator[bytes]:
+    """SSE framing shared by both endpoints; a failure after the stream started is reported in-band.
+    The server's load figures go last, in a comment line that SSE clients skip."""
     try:
         async for obj in chunks:
             yield sse_event(obj)
@@ -308,6 +273,7 @@ async def sse_stream(chunks: AsyncIterator[dict], outputs: AsyncIterator[Request
     finally:
         await chunks.aclose()
         await outputs.aclose()
+    yield SSE_LOAD_PREFIX + load_report().encode("ascii") + b"\n\n"
     yield DONE
 
 
@@ -315,6 +281,29 @@ async def _chain(first: RequestDelta, rest: AsyncIterator[RequestDelta]) -> Asyn
     yield first
     async for delta in rest:
         yield delta
+
+
+def _message(m: ChatMessage) -> dict:
+    if m.content is None:
+        content = ""
+    elif isinstance(m.content, str):
+        content = m.content
+    else:
+        content = "\n".join(part.text for part in m.content)
+    # Chat templates know "system"; OpenAI's newer name for it is "developer".
+    return {"role": "system" if m.role == "developer" else m.role, "content": content}
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
+
+
+def tokenizer_hash(tokenizer) -> str:
+    """A fingerprint of the vocabulary and merges (two replicas agree on token ids iff it matches)."""
+    identity = getattr(tokenizer, "identity", None)
+    if callable(identity):
+        return _digest(identity())
+    return _digest(f"{type(tokenizer).__name__}:{getattr(tokenizer, 'vocab_size', '')}")
 
 
 def clamp_logprob(value: float) -> float:

@@ -9,7 +9,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from meshserve.api.errors import bad_request
-from meshserve.api.protocol import ChatCompletionRequest, ChatMessage
+from meshserve.api.protocol import ChatCompletionRequest
 from meshserve.engine.messages import RequestDelta
 from meshserve.server.serving import (
     ResponseView,
@@ -32,13 +32,7 @@ async def create_chat_completion(ctx: ServingContext, request: Request) -> Respo
     if req.max_tokens is not None and req.max_completion_tokens is not None \
             and req.max_tokens != req.max_completion_tokens:
         raise bad_request("max_tokens and max_completion_tokens disagree; send one", param="max_tokens")
-    try:
-        text = ctx.tokenizer.apply_chat_template([_message(m) for m in req.messages],
-                                                 add_generation_prompt=req.add_generation_prompt)
-    except Exception as exc:  # the template's own checks (roles, order) speak for themselves
-        raise bad_request(f"messages: {exc}", param="messages") from None
-    # The template already wrote the special tokens it wants (as LLM.chat does).
-    ids = await ctx.encode(text, "messages", add_special_tokens=False)
+    ids = await ctx.render_chat(req.messages, req.add_generation_prompt)
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     max_tokens = ctx.max_tokens(requested, len(ids), default=None)  # default: the rest of the context
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
@@ -46,17 +40,6 @@ async def create_chat_completion(ctx: ServingContext, request: Request) -> Respo
     completion_id = f"chatcmpl-{uuid.uuid4().hex}"
     view = _ChatView(ctx, req, completion_id, request.state.request_id, len(ids))
     return await ctx.respond(request, [(completion_id, ids, params)], arrival, view)
-
-
-def _message(m: ChatMessage) -> dict:
-    if m.content is None:
-        content = ""
-    elif isinstance(m.content, str):
-        content = m.content
-    else:
-        content = "\n".join(part.text for part in m.content)
-    # Chat templates know "system"; OpenAI's newer name for it is "developer".
-    return {"role": "system" if m.role == "developer" else m.role, "content": content}
 
 
 class _ChatView(ResponseView):
@@ -91,10 +74,13 @@ class _ChatView(ResponseView):
         async for delta in outputs:
             for s in delta.outputs:
                 completion_tokens += len(s.token_ids)
-                if not s.text and s.finish_reason is None and not self.req.logprobs:
+                if not s.text and s.finish_reason is None and not self.req.logprobs and not self.return_token_ids:
                     continue  # nothing to show yet (e.g. half of a multi-byte character)
                 logprobs = self._logprobs(s.token_ids, s.logprobs) if self.req.logprobs else None
-                yield self.body([{"index": s.index, "delta": {"content": s.text} if s.text else {},
-                                  "logprobs": logprobs, "finish_reason": s.finish_reason}], chunk=True)
+                choice = {"index": s.index, "delta": {"content": s.text} if s.text else {},
+                          "logprobs": logprobs, "finish_reason": s.finish_reason}
+                if self.return_token_ids:
+                    choice["token_ids"] = s.token_ids
+                yield self.body([choice], chunk=True)
         if self.include_usage:
             yield self.usage_chunk(completion_tokens)

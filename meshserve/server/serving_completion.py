@@ -10,6 +10,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from meshserve.api.errors import bad_request
+from meshserve.api.limits import COMPLETIONS_DEFAULT_MAX_TOKENS
 from meshserve.api.protocol import CompletionRequest
 from meshserve.engine.messages import RequestDelta
 from meshserve.server.serving import (
@@ -20,8 +21,6 @@ from meshserve.server.serving import (
     read_json,
     usage,
 )
-
-_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
 
 
 async def create_completion(ctx: ServingContext, request: Request) -> Response:
@@ -45,7 +44,7 @@ async def create_completion(ctx: ServingContext, request: Request) -> Response:
     completion_id = f"cmpl-{uuid.uuid4().hex}"
     engine_requests = []
     for i, (_, ids) in enumerate(prompts):
-        max_tokens = ctx.max_tokens(req.max_tokens, len(ids), _DEFAULT_MAX_TOKENS)
+        max_tokens = ctx.max_tokens(req.max_tokens, len(ids), COMPLETIONS_DEFAULT_MAX_TOKENS)
         engine_requests.append((f"{completion_id}-{i}", ids, ctx.sampling_params(req, max_tokens, req.logprobs)))
     view = _CompletionView(ctx, req, completion_id, prompts, request.state.request_id)
     return await ctx.respond(request, engine_requests, arrival, view)
@@ -118,9 +117,11 @@ class _CompletionView(ResponseView):
                 logprobs = None
                 if self.req.logprobs is not None:
                     logprobs, offsets[k] = self._logprobs(s.token_ids, s.logprobs, offsets[k])
-                elif not text and s.finish_reason is None:
+                elif not text and s.finish_reason is None and not self.return_token_ids:
                     continue  # nothing to show yet (e.g. half of a multi-byte character)
-                yield self.body([{"index": k, "text": text, "logprobs": logprobs,
-                                  "finish_reason": s.finish_reason}], chunk=True)
+                choice = {"index": k, "text": text, "logprobs": logprobs, "finish_reason": s.finish_reason}
+                if self.return_token_ids:
+                    choice["token_ids"] = s.token_ids
+                yield self.body([choice], chunk=True)
         if self.include_usage:
             yield self.usage_chunk(completion_tokens)

@@ -13,12 +13,13 @@ def next_event(lines: Iterator[str]) -> dict:
 
 
 def read_events(source: httpx.Response | Iterable[str]) -> list[dict]:
-    """Every (remaining) `data:` event of a stream; asserts that `[DONE]` comes last and only once."""
+    """Every (remaining) `data:` event of a stream; asserts that `[DONE]` comes last and only once.
+    Comment lines (the server's `: load ...` report) are legal SSE and skipped."""
     lines = source.iter_lines() if isinstance(source, httpx.Response) else source
     events, done = [], False
     for line in lines:
         if not line.startswith("data: "):
-            assert line == "", f"unexpected SSE line {line!r}"
+            assert line == "" or line.startswith(": "), f"unexpected SSE line {line!r}"
             continue
         assert not done, "event after [DONE]"
         payload = line[len("data: "):]

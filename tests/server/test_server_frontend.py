@@ -120,14 +120,22 @@ def test_logprobs(http):
 
 def test_models_tokenize_detokenize_server_info(http, server):
     models = http.get("/v1/models").json()["data"]
+    identity = {"revision": "0123456789abcdef", "block_size": 16, "tokenizer_hash": models[0]["tokenizer_hash"],
+                "chat_template_hash": models[0]["chat_template_hash"]}
     assert models == [{"id": "fake-echo", "object": "model", "created": models[0]["created"],
-                       "owned_by": "meshserve", "root": "fake-echo", "max_model_len": MAX_MODEL_LEN,
-                       "revision": "0123456789abcdef"}]
+                       "owned_by": "meshserve", "root": "fake-echo", "max_model_len": MAX_MODEL_LEN, **identity}]
     assert http.post("/tokenize", json={"prompt": "hi"}).json() == {
         "tokens": [104, 105], "count": 2, "max_model_len": MAX_MODEL_LEN}
+    # Chat messages are rendered with the template first, as /v1/chat/completions renders them.
+    assert http.post("/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()["tokens"] == \
+        list(b"<user>hi<assistant>")
+    assert http.post("/tokenize", json={}).status_code == 400
     assert http.post("/detokenize", json={"tokens": [104, 105]}).json() == {"prompt": "hi"}
     info = http.get("/server_info").json()
-    assert info["engine_config"]["model"] == "fake-echo"
+    assert info["engine_config"]["model"] == "fake-echo" and info["block_size"] == 16
+    # An engine without reservations says so (a gateway then routes without them).
+    r = http.post("/v1/reservations", json={"prompt_token_ids": [1, 2], "max_tokens": 4})
+    assert r.status_code == 501 and r.json()["error"]["code"] == "reservations_unsupported"
     assert info["server_config"]["port"] == server.port and info["server_config"]["api_key"] == "set"
     assert KEY not in json.dumps(info)
 

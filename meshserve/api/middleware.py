@@ -1,0 +1,110 @@
+"""The request-context middleware both front ends (replica server and gateway) put in front of their
+routes, and the one way an APIError becomes a response."""
+from __future__ import annotations
+
+import hmac
+import logging
+import uuid
+from collections.abc import Callable
+
+from starlette.datastructures import Headers
+from starlette.responses import Response
+
+from meshserve.api.errors import APIError, bad_request
+from meshserve.api.load import LOAD_HEADER
+from meshserve.api.sse import JSONBytesResponse
+
+logger = logging.getLogger(__name__)
+
+# Reachable without the API key: liveness probes and Prometheus scrapers.
+OPEN_PATHS = frozenset({"/health", "/metrics"})
+_MAX_REQUEST_ID = 128
+# nginx's non-standard "client closed request": only logs ever see it.
+CLIENT_CLOSED = 499
+
+
+def error_response(err: APIError) -> Response:
+    return JSONBytesResponse(err.body(), status_code=err.status, headers=err.headers)
+
+
+class RequestContextMiddleware:
+    """Pure ASGI (streams pass through untouched): X-Request-Id (and, given `load_report`, the
+    server's load figures) on every response, the API key, and the declared body size, all checked
+    before a route runs."""
+
+    def __init__(self, app, api_key: str | None, max_body_bytes: int,
+                 load_report: Callable[[], str] | None = None) -> None:
+        self.app = app
+        self.expected_auth = f"Bearer {api_key}".encode() if api_key else None
+        self.max_body_bytes = max_body_bytes
+        self.load_report = load_report
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = Headers(scope=scope)
+        request_id = headers.get("x-request-id", "")
+        if not request_id or len(request_id) > _MAX_REQUEST_ID or not request_id.isprintable():
+            request_id = uuid.uuid4().hex
+        scope.setdefault("state", {})["request_id"] = request_id
+        started = False
+
+        async def send_with_id(message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+                message["headers"] = [*message.get("headers", ()),
+                                      (b"x-request-id", request_id.encode("latin-1"))]
+                if self.load_report is not None:
+                    message["headers"].append((LOAD_HEADER.lower().encode(), self.load_report().encode("ascii")))
+            await send(message)
+
+        error = self._precheck(scope, headers)
+        if error is not None:
+            await error_response(error)(scope, receive, send_with_id)
+            return
+        try:
+            await self.app(scope, receive, send_with_id)
+        except Exception:
+            if started:
+                raise
+            logger.exception("unhandled error in %s %s", scope.get("method"), scope.get("path"))
+            err = APIError(500, "internal server error", code="internal_error")
+            await error_response(err)(scope, receive, send_with_id)
+
+    def _precheck(self, scope, headers: Headers) -> APIError | None:
+        if self.expected_auth is not None and scope["path"] not in OPEN_PATHS:
+            given = headers.get("authorization", "").encode("latin-1")
+            if not hmac.compare_digest(given, self.expected_auth):
+                return APIError(401, "missing or invalid API key (send 'Authorization: Bearer KEY')",
+                                code="invalid_api_key")
+        length = headers.get("content-length")
+        if length is not None:
+            if not length.isdigit():
+                return bad_request("Content-Length is not a number", code="invalid_header")
+            if int(length) > self.max_body_bytes:
+                return APIError(413, f"request body is larger than {self.max_body_bytes} bytes",
+                                code="request_too_large")
+        return None
+
+
+def install_error_handlers(app) -> None:
+    """OpenAI-style error bodies for APIError and Starlette's own HTTP errors; a client that left
+    gets the non-standard 499 (nobody reads it, but access logs say what happened)."""
+    from starlette.exceptions import HTTPException
+
+    from meshserve.api.sse import ClientDisconnected
+
+    async def api_error(request, exc: APIError) -> Response:
+        return error_response(exc)
+
+    async def http_error(request, exc: HTTPException) -> Response:
+        return error_response(APIError(exc.status_code, str(exc.detail), headers=exc.headers))
+
+    async def gone(request, exc: ClientDisconnected) -> Response:
+        return Response(status_code=CLIENT_CLOSED)
+
+    app.add_exception_handler(APIError, api_error)
+    app.add_exception_handler(HTTPException, http_error)
+    app.add_exception_handler(ClientDisconnected, gone)

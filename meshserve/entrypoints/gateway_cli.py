@@ -1,0 +1,116 @@
+"""`meshserve gateway --backend URL [--backend URL ...]`: one address in front of many replicas."""
+from __future__ import annotations
+
+import argparse
+import os
+
+_EPILOG = """\
+examples:
+  meshserve serve --port 8001 & meshserve serve --port 8002 &
+  meshserve gateway --backend http://127.0.0.1:8001 --backend http://127.0.0.1:8002 --port 8000
+  meshserve gateway --backend http://10.0.0.5:8000 --policy least_load --tenants tenants.toml \\
+                    --trace-file traces.jsonl --resume-streams
+  meshserve serve --data-parallel-size 2 --gateway   # the one-command local form
+"""
+
+
+def register(subparsers) -> None:
+    from meshserve.engine.routing import POLICIES, CacheAwareConfig
+
+    d = CacheAwareConfig()
+    p = subparsers.add_parser(
+        "gateway", help="route one OpenAI-compatible address to many replicas",
+        description="A fleet front door: routes requests to replicas (meshserve, or other engines' OpenAI "
+        "servers) with cache-aware, least-load or round-robin policies; admits each request only against KV "
+        "capacity the chosen replica's engine reserved for it; queues fairly across tenants within their "
+        "quotas and deadlines; retries before the first token and reports (or, with --resume-streams, "
+        "resumes) streams whose replica fails; exports Prometheus metrics and OpenTelemetry traces.",
+        epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--backend", action="append", required=True, metavar="URL",
+                   help="a replica's base URL (repeat for each replica)")
+    p.add_argument("--policy", default="cache_aware", choices=list(POLICIES),
+                   help="how a replica is chosen (default: %(default)s)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
+    p.add_argument("--port", type=int, default=8000, help="port to bind (default: %(default)s)")
+    add_gateway_options(p, d)
+    p.set_defaults(func=run)
+
+
+def add_gateway_options(p: argparse.ArgumentParser, d, shared: bool = True) -> None:
+    """The gateway's tuning flags (also offered by `meshserve serve --gateway`, which has its own
+    --api-key and --log-level: `shared=False` leaves those out)."""
+    g = p.add_argument_group("cache_aware cost: max(0, P - c*m) + Q + beta*D over replicas within the slack")
+    g.add_argument("--prefix-credit", type=float, default=d.prefix_credit, metavar="C",
+                   help="c: prefill tokens saved per cached prompt token (default: %(default)s)")
+    g.add_argument("--decode-weight", type=float, default=d.decode_weight, metavar="BETA",
+                   help="beta: prefill-token cost of each running sequence (default: %(default)s)")
+    g.add_argument("--credit-halving-tokens", type=float, default=d.credit_halving_tokens, metavar="T",
+                   help="the credit halves for every T queued tokens over the least-queued replica "
+                        "(default: %(default)s)")
+    g.add_argument("--slack-requests", type=int, default=d.slack_requests, metavar="N",
+                   help="eligible replicas have at most N (or --slack-ratio x) more requests in flight than "
+                        "the least loaded (default: %(default)s)")
+    g.add_argument("--slack-ratio", type=float, default=d.slack_ratio, metavar="R", help="(default: %(default)s)")
+    g.add_argument("--prefix-index-blocks", type=int, default=d.index_blocks, metavar="N",
+                   help="blocks the routing prefix index remembers, LRU (default: %(default)s)")
+    h = p.add_argument_group("health and failures")
+    h.add_argument("--probe-interval", type=float, default=1.0, metavar="S", help="(default: %(default)s)")
+    h.add_argument("--stale-after", type=float, default=5.0, metavar="S",
+                   help="load figures older than this make a replica count as saturated (default: %(default)s)")
+    h.add_argument("--breaker-failures", type=int, default=3, metavar="N",
+                   help="consecutive failures that open a replica's breaker (default: %(default)s)")
+    h.add_argument("--breaker-cooldown", type=float, default=1.0, metavar="S",
+                   help="open -> half-open; the half-open probe is a health check (default: %(default)s)")
+    h.add_argument("--breaker-max-cooldown", type=float, default=30.0, metavar="S",
+                   help="the cooldown doubles after each failed half-open probe, up to this (default: %(default)s)")
+    h.add_argument("--first-token-timeout", type=float, default=300.0, metavar="S", help="(default: %(default)s)")
+    h.add_argument("--retry-budget-ratio", type=float, default=0.1, metavar="R",
+                   help="retries allowed per routed request, fleet-wide (default: %(default)s)")
+    h.add_argument("--resume-streams", action="store_true",
+                   help="continue a greedy or seeded stream on another replica when its replica fails")
+    a = p.add_argument_group("admission")
+    a.add_argument("--tenants", default=None, metavar="FILE", help="TOML: API keys, concurrency limits, token quotas")
+    if shared:
+        a.add_argument("--api-key", default=os.environ.get("MESHSERVE_API_KEY"), metavar="KEY",
+                       help="without --tenants: require 'Authorization: Bearer KEY' (default: $MESHSERVE_API_KEY)")
+    a.add_argument("--lease-ttl", type=float, default=10.0, metavar="S",
+                   help="an unused KV reservation ends after this long (default: %(default)s)")
+    a.add_argument("--max-queued", type=int, default=1024, metavar="N",
+                   help="requests waiting for admission; more get 429 (default: %(default)s)")
+    a.add_argument("--max-queue-wait", type=float, default=30.0, metavar="S",
+                   help="deadline of a request without X-Request-Deadline-Ms (default: %(default)s)")
+    o = p.add_argument_group("observability")
+    o.add_argument("--trace-file", default=None, metavar="FILE", help="write OpenTelemetry spans as JSON lines")
+    o.add_argument("--otlp-endpoint", default=None, metavar="URL", help="export spans over OTLP/HTTP")
+    if shared:
+        o.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def config_from_args(args: argparse.Namespace, backends: list[str], host: str, port: int):
+    from meshserve.engine.routing import CacheAwareConfig
+    from meshserve.gateway.config import GatewayConfig
+
+    cache_aware = CacheAwareConfig(prefix_credit=args.prefix_credit, decode_weight=args.decode_weight,
+                                   credit_halving_tokens=args.credit_halving_tokens,
+                                   slack_requests=args.slack_requests, slack_ratio=args.slack_ratio,
+                                   index_blocks=args.prefix_index_blocks)
+    return GatewayConfig(
+        backends=backends, policy=args.policy, host=host, port=port, cache_aware=cache_aware,
+        probe_interval_s=args.probe_interval, stale_after_s=args.stale_after,
+        breaker_failures=args.breaker_failures, breaker_cooldown_s=args.breaker_cooldown,
+        breaker_max_cooldown_s=args.breaker_max_cooldown, first_token_timeout_s=args.first_token_timeout,
+        retry_budget_ratio=args.retry_budget_ratio, resume_streams=args.resume_streams,
+        lease_ttl_s=args.lease_ttl, max_queued=args.max_queued, max_queue_wait_s=args.max_queue_wait,
+        tenants_file=args.tenants, api_key=args.api_key if not args.tenants else None,
+        trace_file=args.trace_file, otlp_endpoint=args.otlp_endpoint, log_level=args.log_level)
+
+
+def run(args: argparse.Namespace) -> int:
+    import asyncio
+    import logging
+
+    from meshserve.gateway.app import serve
+
+    config = config_from_args(args, args.backend, args.host, args.port)
+    logging.basicConfig(level=config.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    return asyncio.run(serve(config))

@@ -1,0 +1,326 @@
+"""The gateway's HTTP face: the OpenAI routes, and each request's way through it.
+
+A completion or chat request is parsed and checked (API key -> tenant, deadline), its prompt is
+tokenized fully rendered by a replica's /tokenize (so the context check and the prefix index see
+exactly the ids the engine will), the tenant's quota is taken, and then the failure protocol places
+and sends it (failover.py). Nothing reaches a replica's engine before the request fits its context
+and its tenant's quota.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from typing import Any
+
+import aiohttp
+from fastapi import FastAPI
+from opentelemetry import trace
+from starlette.requests import Request
+from starlette.responses import Response
+
+import meshserve
+from meshserve.api.errors import APIError, bad_request, error_body
+from meshserve.api.json_body import parse, read_json
+from meshserve.api.limits import COMPLETIONS_DEFAULT_MAX_TOKENS, resolve_max_tokens
+from meshserve.api.middleware import RequestContextMiddleware, install_error_handlers
+from meshserve.api.protocol import ChatCompletionRequest, CompletionRequest
+from meshserve.api.sse import (
+    EventStreamResponse,
+    JSONBytesResponse,
+    cancel_on_disconnect,
+)
+from meshserve.engine.routing import make_policy
+from meshserve.gateway.admission import DEADLINE_HEADER, Admission, Deadline, Reserver
+from meshserve.gateway.config import GatewayConfig
+from meshserve.gateway.failover import FailureProtocol, GatewayRequest
+from meshserve.gateway.metrics import CONTENT_TYPE, GatewayMetrics
+from meshserve.gateway.replicas import Replica, ReplicaIdentity, ReplicaSet
+from meshserve.gateway.tenants import Tenants
+from meshserve.gateway.tracing import Tracing, setup_tracing
+
+logger = logging.getLogger(__name__)
+
+
+class Gateway:
+    """Everything one gateway process holds; built inside the event loop (start) and closed by stop."""
+
+    def __init__(self, config: GatewayConfig) -> None:
+        self.config = config
+        self.tenants = Tenants.from_file(config.tenants_file) if config.tenants_file else Tenants([], config.api_key)
+        self.policy = make_policy(config.policy, config.cache_aware)
+        self.tracing = Tracing(setup_tracing(config.trace_file, config.otlp_endpoint))
+        self._turn = itertools.count()
+
+    async def start(self) -> None:
+        cfg = self.config
+        # No pool limit: concurrency is the admission queue's and the replicas' business.
+        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), raise_for_status=False)
+        self.replicas = ReplicaSet(cfg, self.session)
+        self.metrics = GatewayMetrics(lambda: self.replicas.replicas, lambda: self.admission.waiting)
+        self.reserver = Reserver(self.session, cfg)
+        self.admission = Admission(cfg, self.replicas, self.policy, self.reserver,
+                                   on_refused=lambda r: self.metrics.lease_refusals.labels(r.label).inc())
+        self.protocol = FailureProtocol(cfg, self.session, self.replicas, self.admission, self.reserver,
+                                        self.metrics, self.tracing)
+        self.replicas.on_cache_lost = self._cache_lost
+        self.replicas.on_breaker_opened = self._breaker_opened
+        await self.replicas.probe_all()
+        self.replicas.start()
+        self.admission.start()
+
+    async def stop(self) -> None:
+        await self.admission.stop()
+        await self.replicas.stop()
+        await self.session.close()
+        self.tracing.shutdown()
+
+    def _cache_lost(self, replica: Replica) -> None:
+        self.policy.forget_replica(replica.index)
+
+    def _breaker_opened(self, replica: Replica) -> None:
+        """No new work goes there; its leases are given up (reconciled with its ledger when it answers)."""
+        for lease in list(replica.leases.values()):
+            asyncio.get_running_loop().create_task(self.reserver.release(replica, lease))
+
+    # ---- the request's way ----------------------------------------------------------------
+    async def handle(self, request: Request, endpoint: str) -> Response:
+        arrival = time.monotonic()
+        request_id = request.state.request_id
+        chat = endpoint.endswith("/chat/completions")
+        raw = await read_json(request, self.config.max_body_bytes)
+        req = parse(ChatCompletionRequest if chat else CompletionRequest, raw)
+        tenant_name = "unknown"
+        span = self.tracing.tracer.start_span(f"POST {endpoint}", context=Tracing.incoming(request.headers),
+                                              attributes={"meshserve.request_id": request_id,
+                                                          "gen_ai.request.model": req.model or ""})
+        try:
+            with self.tracing.tracer.start_as_current_span("admission", context=trace.set_span_in_context(span)):
+                tenant = self.tenants.authenticate(request.headers.get("authorization", ""))
+                tenant_name = tenant.name
+                deadline = Deadline.from_header(request.headers.get(DEADLINE_HEADER), self.config.max_queue_wait_s)
+                like, prompts, max_model_len = await self._tokenize(req, raw, chat)
+                prompt_tokens = sum(len(p) for p in prompts)
+                requested = (req.max_completion_tokens if chat and req.max_completion_tokens is not None
+                             else req.max_tokens)
+                max_tokens = min(resolve_max_tokens(requested, len(p), max_model_len,
+                                                    None if chat else COMPLETIONS_DEFAULT_MAX_TOKENS) for p in prompts)
+                quota = prompt_tokens + max_tokens * req.n * len(prompts)
+                tenant.admit(quota)
+        except APIError as exc:
+            self.metrics.rejections.labels(exc.code or str(exc.status), tenant_name).inc()
+            span.set_attribute("meshserve.outcome", f"rejected: {exc.code}")
+            span.end()
+            raise
+        except BaseException:
+            span.end()
+            raise
+        span.set_attributes({"meshserve.tenant": tenant.name, "meshserve.prompt_tokens": prompt_tokens,
+                             "meshserve.max_tokens": max_tokens})
+        greq = GatewayRequest(request_id, endpoint, raw, tenant, like, prompts[0], prompt_tokens, max_tokens, req.n,
+                              deadline, arrival, span, reservable=len(prompts) == 1,
+                              resumable=_resumable(req, chat, len(prompts)), quota=quota)
+        return await cancel_on_disconnect(request, self._serve(greq))
+
+    async def _serve(self, greq: GatewayRequest) -> Response:
+        handed_over = False
+        try:
+            if not greq.stream:
+                answer = await self.protocol.complete(greq)
+                return JSONBytesResponse(answer)
+            attempt = await self.protocol.start(greq)
+            self.metrics.ttft.observe(time.monotonic() - greq.arrival)
+            handed_over = True
+            return EventStreamResponse(self._stream(greq, attempt))
+        except APIError as exc:
+            greq.outcome = f"error {exc.status}"
+            exc.request_id = exc.request_id or (greq.request_id if exc.status >= 500 else None)
+            raise
+        except asyncio.CancelledError:
+            greq.outcome = "cancelled"
+            raise
+        finally:
+            if not handed_over:
+                self._close(greq)
+
+    async def _stream(self, greq: GatewayRequest, attempt):
+        try:
+            async for chunk in self.protocol.relay(greq, attempt):
+                yield chunk
+        finally:
+            self._close(greq)
+
+    def _close(self, greq: GatewayRequest) -> None:
+        greq.tenant.settle(greq.quota, greq.prompt_tokens + greq.completion_tokens)
+        self.metrics.requests.labels(greq.outcome.split(" ")[0]).inc()
+        greq.span.set_attributes({"meshserve.outcome": greq.outcome, "meshserve.attempts": greq.attempts,
+                                  "meshserve.completion_tokens": greq.completion_tokens})
+        greq.span.end()
+
+    async def _tokenize(self, req, raw: dict, chat: bool) -> tuple[ReplicaIdentity, list[list[int]], int]:
+        """(identity of the replica that tokenized, token ids per prompt, its context length)."""
+        known = [r for r in self.replicas.replicas if r.identity is not None]
+        if req.model is not None and known and all(r.identity.model != req.model for r in known):
+            served = sorted({r.identity.model for r in known})
+            raise APIError(404, f"the model {req.model!r} does not exist; this gateway serves "
+                                f"{', '.join(map(repr, served))}", param="model", code="model_not_found")
+        candidates = self.replicas.compatible(req.model)
+        if not candidates:
+            raise APIError(503, "no healthy replica serves this model now", code="no_healthy_replica",
+                           headers={"Retry-After": "2"})
+        if chat:
+            bodies = [{"messages": raw["messages"], "add_generation_prompt": req.add_generation_prompt}]
+        elif isinstance(req.prompt, str):
+            bodies = [{"prompt": req.prompt}]
+        elif req.prompt and isinstance(req.prompt[0], str):
+            bodies = [{"prompt": p} for p in req.prompt]
+        else:
+            bodies = []  # token ids already
+        start = next(self._turn)
+        last_error: Exception | None = None
+        for k in range(min(2, len(candidates))):  # a replica that fails here is tried once elsewhere
+            replica = candidates[(start + k) % len(candidates)]
+            try:
+                if not bodies:
+                    ids = [req.prompt] if isinstance(req.prompt[0], int) else list(req.prompt)
+                    if not all(ids):
+                        raise bad_request("the prompt is empty", param="prompt", code="empty_prompt")
+                    return replica.identity, ids, replica.identity.max_model_len
+                results = await asyncio.gather(*(self._tokenize_on(replica, b) for b in bodies))
+                return replica.identity, [r["tokens"] for r in results], int(results[0]["max_model_len"])
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                self.replicas.record_failure(replica, f"tokenize: {type(exc).__name__}",
+                                             decisive=isinstance(exc, aiohttp.ClientConnectorError))
+                last_error = exc
+        raise APIError(503, f"no replica could tokenize the prompt ({type(last_error).__name__})",
+                       code="no_healthy_replica", headers={"Retry-After": "1"})
+
+    async def _tokenize_on(self, replica: Replica, body: dict) -> dict:
+        timeout = aiohttp.ClientTimeout(total=30, sock_connect=self.config.connect_timeout_s)
+        async with self.session.post(replica.url + "/tokenize", json=body, timeout=timeout) as resp:
+            answer = await resp.json(content_type=None)
+            if resp.status == 200:
+                return answer
+            if resp.status >= 500:
+                raise aiohttp.ClientResponseError(resp.request_info, (), status=resp.status)
+            err = answer.get("error", {}) if isinstance(answer, dict) else {}
+            raise APIError(resp.status, err.get("message", "the prompt was refused"), param=err.get("param"),
+                           code=err.get("code"))
+
+    # ---- pass-through and fleet views -------------------------------------------------------
+    async def forward(self, request: Request, path: str) -> Response:
+        """/tokenize and /detokenize: answered by any healthy replica."""
+        candidates = self.replicas.compatible(None)
+        if not candidates:
+            raise APIError(503, "no healthy replica", code="no_healthy_replica", headers={"Retry-After": "2"})
+        replica = candidates[next(self._turn) % len(candidates)]
+        body = await read_json(request, self.config.max_body_bytes)
+        try:
+            async with self.session.post(replica.url + path, json=body) as resp:
+                return Response(await resp.read(), status_code=resp.status, media_type="application/json")
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            self.replicas.record_failure(replica, f"{path}: {type(exc).__name__}",
+                                         decisive=isinstance(exc, aiohttp.ClientConnectorError))
+            raise APIError(503, f"the replica did not answer ({type(exc).__name__})", code="no_healthy_replica",
+                           headers={"Retry-After": "1"}) from None
+
+    def models(self) -> dict:
+        seen: dict[str, dict[str, Any]] = {}
+        for r in self.replicas.replicas:
+            if r.identity is not None and r.identity.model not in seen:
+                seen[r.identity.model] = {"id": r.identity.model, "object": "model", "owned_by": "meshserve",
+                                          "max_model_len": r.identity.max_model_len, "revision": r.identity.revision}
+        return {"object": "list", "data": list(seen.values())}
+
+    def fleet(self) -> dict:
+        now = time.monotonic()
+        out = []
+        for r in self.replicas.replicas:
+            load, saturated = r.routing_load(now, self.config.stale_after_s, self.config.cache_aware.slack_requests)
+            out.append({"url": r.url, "healthy": r.healthy, "breaker": r.breaker.state.name.lower(),
+                        "breaker_opened": r.breaker.times_opened, "last_error": r.last_error,
+                        "ledger": vars(r.ledger), "reserved_blocks": r.reserved_blocks, "leases": len(r.leases),
+                        "reported": vars(r.reported) if r.reported else None,
+                        "report_age_s": round(now - r.reported_at, 3) if r.reported else None,
+                        "saturated": saturated, "routing_load": vars(load),
+                        "identity": vars(r.identity) if r.identity else None})
+        return {"policy": self.policy.name, "queue_waiting": self.admission.waiting,
+                "retry_budget": round(self.protocol.budget.balance, 2), "replicas": out}
+
+
+def _resumable(req, chat: bool, num_prompts: int) -> bool:
+    """Can a continuation on another replica give the same answer (see failover.py)?"""
+    sampled = req.temperature is None or req.temperature > 0
+    return (bool(req.stream) and req.n == 1 and num_prompts == 1 and (not sampled or req.seed is not None)
+            and not req.frequency_penalty and not req.presence_penalty
+            and not (req.logprobs if chat else (req.logprobs is not None or req.echo)))
+
+
+def build_app(gateway: Gateway) -> FastAPI:
+    app = FastAPI(title="meshserve gateway", version=meshserve.__version__, docs_url=None, redoc_url=None,
+                  openapi_url=None)
+    # Keys are the tenants' business (Gateway.handle); the middleware adds X-Request-Id and bounds bodies.
+    app.add_middleware(RequestContextMiddleware, api_key=None, max_body_bytes=gateway.config.max_body_bytes)
+
+    install_error_handlers(app)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await gateway.handle(request, "/v1/completions")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await gateway.handle(request, "/v1/chat/completions")
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        return JSONBytesResponse(gateway.models())
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        return await gateway.forward(request, "/tokenize")
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        return await gateway.forward(request, "/detokenize")
+
+    @app.get("/health")
+    async def health() -> Response:
+        """200 while some replica takes work ("ok", or "degraded" when some do not); 503 when none."""
+        replicas = gateway.replicas.replicas
+        healthy = sum(r.healthy for r in replicas)
+        state = {"status": "ok" if healthy == len(replicas) else "degraded" if healthy else "unavailable",
+                 "replicas": len(replicas), "replicas_healthy": healthy}
+        if not healthy:
+            body = error_body(503, "no replica is healthy", code="no_healthy_replica")
+            return JSONBytesResponse({**body, **state}, status_code=503, headers={"Retry-After": "2"})
+        return JSONBytesResponse(state)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(gateway.metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/gateway/replicas")
+    async def fleet() -> Response:
+        return JSONBytesResponse(gateway.fleet())
+
+    return app
+
+
+async def serve(config: GatewayConfig) -> int:
+    """Run the gateway until SIGTERM/SIGINT (blocking coroutine)."""
+    import uvicorn
+
+    gateway = Gateway(config)
+    await gateway.start()
+    try:
+        server = uvicorn.Server(uvicorn.Config(build_app(gateway), host=config.host, port=config.port,
+                                               log_level=config.log_level, lifespan="off",
+                                               timeout_graceful_shutdown=30))
+        logger.info("gateway on http://%s:%d in front of %s (policy %s)", config.host, config.port,
+                    ", ".join(config.backends), config.policy)
+        await server.serve()
+    finally:
+        await gateway.stop()
+    return 0

@@ -1,0 +1,79 @@
+"""GatewayConfig: every gateway setting, validated once at the edge."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+from meshserve.engine.routing import POLICIES, CacheAwareConfig
+
+DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+
+
+def _in_range(name: str, value, low, high) -> None:
+    if isinstance(value, bool) or not low <= value <= high:
+        raise ValueError(f"{name} must be in [{low:g}, {high:g}], got {value!r}")
+
+
+@dataclass
+class GatewayConfig:
+    backends: list[str]
+    policy: str = "cache_aware"
+    host: str = "127.0.0.1"
+    port: int = 8000
+    cache_aware: CacheAwareConfig = field(default_factory=CacheAwareConfig)
+    # Health: probes, and how long reported load figures stay trustworthy.
+    probe_interval_s: float = 1.0
+    probe_timeout_s: float = 2.0
+    stale_after_s: float = 5.0  # figures older than this: the replica counts as saturated
+    breaker_failures: int = 3  # consecutive failures (timeouts, 5xx) that open a replica's breaker
+    breaker_cooldown_s: float = 1.0  # open -> half-open (doubles on each failed half-open probe)
+    breaker_max_cooldown_s: float = 30.0
+    connect_timeout_s: float = 2.0
+    first_token_timeout_s: float = 300.0  # an attempt with no output for this long has failed
+    # Failure protocol.
+    retry_budget_ratio: float = 0.1  # retries allowed per request routed, fleet-wide
+    retry_budget_min: int = 10  # retries always available (a quiet gateway may still retry)
+    resume_streams: bool = False
+    # Admission.
+    lease_ttl_s: float = 10.0  # an unused reservation ends this long after it was granted
+    max_queued: int = 1024  # requests waiting for admission; beyond: 429
+    max_queue_wait_s: float = 30.0  # the deadline of a request that names none
+    tenants_file: str | None = None
+    api_key: str | None = None  # without a tenants file: one key for everyone (or none)
+    # Observability.
+    trace_file: str | None = None  # spans as JSON lines
+    otlp_endpoint: str | None = None  # spans over OTLP/HTTP
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        if not self.backends:
+            raise ValueError("give at least one --backend URL")
+        self.backends = [b.rstrip("/") for b in self.backends]
+        for url in self.backends:
+            parts = urlsplit(url)
+            if parts.scheme not in ("http", "https") or not parts.netloc:
+                raise ValueError(f"--backend must be an http(s) URL such as http://127.0.0.1:8001, got {url!r}")
+        if len(set(self.backends)) != len(self.backends):
+            raise ValueError("--backend lists the same URL twice")
+        if self.policy not in POLICIES:
+            raise ValueError(f"--policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        _in_range("--port", self.port, 0, 65535)
+        _in_range("--probe-interval", self.probe_interval_s, 0.05, 600)
+        _in_range("--probe-timeout", self.probe_timeout_s, 0.05, 600)
+        _in_range("--stale-after", self.stale_after_s, 2 * self.probe_interval_s, 3600)
+        _in_range("--breaker-failures", self.breaker_failures, 1, 1000)
+        _in_range("--breaker-cooldown", self.breaker_cooldown_s, 0.05, 3600)
+        _in_range("--breaker-max-cooldown", self.breaker_max_cooldown_s, self.breaker_cooldown_s, 3600)
+        _in_range("--connect-timeout", self.connect_timeout_s, 0.05, 600)
+        _in_range("--first-token-timeout", self.first_token_timeout_s, 0.1, 86400)
+        _in_range("--retry-budget-ratio", self.retry_budget_ratio, 0.0, 1.0)
+        _in_range("--retry-budget-min", self.retry_budget_min, 0, 100000)
+        _in_range("--lease-ttl", self.lease_ttl_s, 0.1, 3600)
+        _in_range("--max-queued", self.max_queued, 1, 1_000_000)
+        _in_range("--max-queue-wait", self.max_queue_wait_s, 0.01, 86400)
+        _in_range("--max-body-bytes", self.max_body_bytes, 1024, 1 << 30)
+        if self.api_key is not None and self.tenants_file is not None:
+            raise ValueError("give --api-key or --tenants, not both (tenants carry their own keys)")
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValueError("--api-key must not be empty")

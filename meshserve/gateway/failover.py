@@ -1,0 +1,403 @@
+"""The failure protocol: what a client sees when a replica fails under its request.
+
+- Before the first token reaches the client, a failed attempt is retried once on another healthy,
+  compatible replica, within the request's deadline and a fleet-wide retry budget (retries may be
+  at most `retry_budget_ratio` of requests, plus `retry_budget_min`), so a sick fleet never sees a
+  retry storm. A 429 is back-pressure: the next replica is tried, outside the budget; a lease that
+  ended before its request arrived is re-reserved.
+- After output has started, the stream ends with one `partial_stream_failure` event carrying the
+  request id, then `data: [DONE]`: never a silent restart.
+- With `--resume-streams`, a greedy or seeded stream (n = 1, no frequency/presence penalty, no
+  logprobs or echo) instead continues on another replica: the new attempt prefills the prompt plus
+  the tokens already sent (cheap where the prefix is cached) and generates the rest. The client gets
+  one answer; its finish chunk carries `"resumed": {"after_tokens": k, "attempts": a}`. A greedy
+  answer is token-identical to an undisturbed run; a seeded one is a sample from the same seed
+  conditioned on what was sent (not the undisturbed run's tokens: the sampler's noise restarts).
+- A client that disconnects has its upstream request closed, which aborts it on the replica.
+"""
+from __future__ import annotations
+
+import asyncio
+import copy
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+from opentelemetry import trace
+
+from meshserve.api.errors import APIError, error_body
+from meshserve.api.sse import DONE, sse_event
+from meshserve.engine.routing import RouteRequest
+from meshserve.gateway.admission import (
+    Admission,
+    AdmissionRequest,
+    Deadline,
+    Placement,
+    Reserver,
+)
+from meshserve.gateway.config import GatewayConfig
+from meshserve.gateway.metrics import GatewayMetrics
+from meshserve.gateway.replicas import ReplicaIdentity, ReplicaSet
+from meshserve.gateway.tenants import Tenant
+from meshserve.gateway.tracing import Tracing
+from meshserve.gateway.upstream import (
+    RESERVATION_HEADER,
+    TOKEN_IDS_HEADER,
+    Attempt,
+    AttemptFailed,
+    read_until_first_token,
+    send,
+)
+
+logger = logging.getLogger(__name__)
+
+MAX_RESUMES = 2  # a stream is continued at most this many times
+# Sampling fields a continuation carries over unchanged (a completions request with token ids).
+_CARRIED = ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos",
+            "repetition_penalty", "skip_special_tokens", "include_stop_str_in_output")
+
+
+class RetryBudget:
+    """Each request routed deposits `ratio` of a retry (up to a cap); each retry withdraws one."""
+
+    def __init__(self, ratio: float, minimum: int) -> None:
+        self.ratio = ratio
+        self.cap = max(minimum, 1) + 100 * ratio
+        self.balance = float(minimum)
+
+    def deposit(self) -> None:
+        self.balance = min(self.cap, self.balance + self.ratio)
+
+    def withdraw(self) -> bool:
+        if self.balance >= 1.0:
+            self.balance -= 1.0
+            return True
+        return False
+
+
+@dataclass
+class GatewayRequest:
+    request_id: str
+    endpoint: str  # /v1/completions or /v1/chat/completions
+    body: dict[str, Any]  # the client's, as sent
+    tenant: Tenant
+    like: ReplicaIdentity  # the replica that tokenized the prompt
+    prompt_ids: list[int]  # the (first) prompt, fully rendered
+    prompt_tokens: int  # over all prompts
+    max_tokens: int  # per sample
+    n: int
+    deadline: Deadline
+    arrival: float
+    span: trace.Span
+    reservable: bool  # one prompt: a lease can cover it
+    resumable: bool
+    quota: int = 0  # tokens taken from the tenant's bucket
+    completion_tokens: int = 0
+    outcome: str = "ok"
+    attempts: int = 0
+    exclude: set[int] = field(default_factory=set)
+
+    @property
+    def stream(self) -> bool:
+        return bool(self.body.get("stream"))
+
+    @property
+    def include_usage(self) -> bool:
+        return bool((self.body.get("stream_options") or {}).get("include_usage"))
+
+    @property
+    def chat(self) -> bool:
+        return self.endpoint.endswith("/chat/completions")
+
+
+class FailureProtocol:
+    def __init__(self, config: GatewayConfig, session: aiohttp.ClientSession, replicas: ReplicaSet,
+                 admission: Admission, reserver: Reserver, metrics: GatewayMetrics, tracing: Tracing) -> None:
+        self.config = config
+        self.session = session
+        self.replicas = replicas
+        self.admission = admission
+        self.reserver = reserver
+        self.metrics = metrics
+        self.tracing = tracing
+        self.budget = RetryBudget(config.retry_budget_ratio, config.retry_budget_min)
+
+    # ---- placing and sending one attempt -------------------------------------------------
+    async def _place(self, greq: GatewayRequest, prompt_ids: list[int], max_tokens: int,
+                     deadline: Deadline | None = None) -> Placement:
+        """A replica and its lease; waits (fairly, bounded by the deadline) while none has room."""
+        route = RouteRequest(prompt_ids, greq.like.cache_scope(greq.tenant.name), greq.like.block_size,
+                             greq.like.hash_root)
+        areq = AdmissionRequest(greq.tenant.name, greq.like.model, greq.like, route, max_tokens, greq.n,
+                                greq.request_id, str(greq.attempts + 1), deadline or greq.deadline,
+                                reserve=greq.reservable, exclude=set(greq.exclude))
+        with self.tracing.tracer.start_as_current_span("queue", context=trace.set_span_in_context(greq.span)) as span:
+            started = time.monotonic()
+            placement = await self.admission.admit(areq)
+            span.set_attribute("meshserve.replica", placement.replica.label)
+            if greq.attempts == 0:
+                self.metrics.queue_wait.observe(time.monotonic() - started)
+        return placement
+
+    async def _attempt(self, greq: GatewayRequest, placement: Placement, path: str, body: dict,
+                       prompt_tokens: int) -> Attempt:
+        """Send one attempt and (for a stream) read up to its first token."""
+        greq.attempts += 1
+        replica = placement.replica
+        span = self.tracing.tracer.start_span("attempt", context=trace.set_span_in_context(greq.span), attributes={
+            "meshserve.replica": replica.label, "meshserve.attempt": greq.attempts,
+            "meshserve.lease_blocks": placement.lease.blocks if placement.lease else 0,
+            "meshserve.cached_tokens_expected": placement.cached_tokens})
+        attempt = Attempt(greq.attempts, placement, prompt_tokens, span, self.tracing.tracer)
+        headers = {"X-Request-Id": greq.request_id, **self.tracing.outgoing(span)}
+        if placement.lease is not None:
+            headers[RESERVATION_HEADER] = placement.lease.lease_id
+        if greq.resumable and self.config.resume_streams:
+            headers[TOKEN_IDS_HEADER] = "1"
+        self.metrics.routed.labels(replica.label).inc()
+        if placement.cached_tokens:
+            self.metrics.index_hits.labels(replica.label).inc()
+            self.metrics.index_hit_tokens.labels(replica.label).inc(placement.cached_tokens)
+        attempt.dispatch(streamed=bool(body.get("stream")))
+        try:
+            await send(self.session, attempt, path, body, headers, self.config.connect_timeout_s,
+                       self.config.first_token_timeout_s)
+            if body.get("stream"):
+                attempt.rest = await read_until_first_token(attempt)
+        except AttemptFailed as failure:
+            self._failed(attempt, failure)
+            raise
+        except BaseException:  # cancelled: the client left
+            self._abandon(attempt, "cancelled")
+            raise
+        self.replicas.record_success(replica)
+        return attempt
+
+    def _failed(self, attempt: Attempt, failure: AttemptFailed) -> None:
+        replica = attempt.replica
+        if failure.fault:
+            self.replicas.record_failure(replica, str(failure), decisive=failure.decisive)
+        self._abandon(attempt, f"failed: {failure.reason}")
+
+    def _abandon(self, attempt: Attempt, outcome: str) -> None:
+        """The attempt ends unfinished: close it and release its lease (in the background)."""
+        attempt.end(outcome)
+        lease = attempt.placement.lease
+        if lease is not None:
+            asyncio.get_running_loop().create_task(self.reserver.release(attempt.replica, lease))
+        self.admission.capacity_changed()
+
+    def _finished(self, attempt: Attempt) -> None:
+        attempt.end("ok")
+        self.reserver.ended(attempt.replica, attempt.placement.lease)
+        self.admission.capacity_changed()
+
+    # ---- before the first token: place, send, retry ------------------------------------------
+    async def start(self, greq: GatewayRequest) -> Attempt:
+        """An attempt that has produced output (a stream) or its whole answer (otherwise)."""
+        self.budget.deposit()
+        retried = False
+        while True:
+            placement = await self._place(greq, greq.prompt_ids, greq.max_tokens)
+            body = self._first_body(greq)
+            try:
+                return await self._attempt(greq, placement, greq.endpoint, body, greq.prompt_tokens)
+            except AttemptFailed as failure:
+                if failure.client_error:
+                    raise APIError(failure.status, (failure.body or {}).get("error", {}).get("message", str(failure)),
+                                   code=(failure.body or {}).get("error", {}).get("code"),
+                                   param=(failure.body or {}).get("error", {}).get("param"),
+                                   headers=failure.headers) from None
+                greq.exclude.add(placement.replica.index)
+                if failure.backpressure or failure.lease_lost:
+                    if failure.lease_lost:
+                        greq.exclude.discard(placement.replica.index)
+                    if greq.attempts < 2 * len(self.replicas.replicas) and greq.deadline.remaining() > 0:
+                        continue
+                if retried or greq.deadline.remaining() <= 0:
+                    raise self._unavailable(greq, failure) from None
+                if not self.budget.withdraw():
+                    self.metrics.retries_denied.inc()
+                    raise self._unavailable(greq, failure) from None
+                retried = True
+                self.metrics.retries.labels(failure.reason).inc()
+                logger.info("request %s: attempt on %s failed (%s); retrying elsewhere", greq.request_id,
+                            placement.replica.label, failure)
+
+    def _unavailable(self, greq: GatewayRequest, failure: AttemptFailed) -> APIError:
+        greq.outcome = "failed"
+        status = 429 if failure.backpressure else 503
+        return APIError(status, f"no replica could serve the request: {failure}", code=(
+            "replicas_busy" if failure.backpressure else "upstream_failed"),
+            headers={"Retry-After": "1"}, request_id=greq.request_id)
+
+    def _first_body(self, greq: GatewayRequest) -> dict:
+        body = dict(greq.body)
+        if greq.stream:  # the gateway always wants the usage (quota settlement); the client may not
+            body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
+        return body
+
+    # ---- a whole answer ---------------------------------------------------------------------
+    async def complete(self, greq: GatewayRequest) -> dict:
+        attempt = await self.start(greq)
+        try:
+            answer = await attempt.response.json(content_type=None)
+        except (aiohttp.ClientError, ValueError, TimeoutError):
+            self._failed(attempt, AttemptFailed("the answer broke off", reason="stream_broken"))
+            raise APIError(502, "the replica's answer broke off", code="upstream_failed",
+                           request_id=greq.request_id) from None
+        greq.completion_tokens = (answer.get("usage") or {}).get("completion_tokens", 0)
+        self._finished(attempt)
+        return answer
+
+    # ---- a stream -----------------------------------------------------------------------------
+    async def relay(self, greq: GatewayRequest, attempt: Attempt) -> AsyncIterator[bytes]:
+        """The client's stream: the first attempt's events, then (on failure) a resumed attempt's,
+        or a partial_stream_failure event."""
+        span = self.tracing.tracer.start_span("stream", context=trace.set_span_in_context(greq.span))
+        shaper = _StreamShaper(greq, attempt.replica.index)
+        try:
+            while True:
+                try:
+                    for event in attempt.buffered:
+                        for out in shaper.shape(event):
+                            yield sse_event(out)
+                    async for event in attempt.rest:
+                        for out in shaper.shape(event):
+                            yield sse_event(out)
+                    self._finished(attempt)
+                    break
+                except AttemptFailed as failure:
+                    self._failed(attempt, failure)
+                    if shaper.finished:  # everything was sent but [DONE]: nothing is lost
+                        break
+                    resumed = await self._resume(greq, shaper, failure)
+                    if resumed is None:
+                        greq.outcome = "partial_failure"
+                        self.metrics.partial_failures.inc()
+                        yield sse_event(error_body(500, f"generation failed after the stream started: {failure}",
+                                                   code="partial_stream_failure", request_id=greq.request_id))
+                        break
+                    attempt = resumed
+                    for out in await self._gap(greq, shaper, attempt):
+                        yield sse_event(out)
+            greq.completion_tokens = shaper.completion_tokens
+        finally:
+            if not attempt.ended:  # the client left mid-stream
+                greq.outcome = "cancelled"
+                self._abandon(attempt, "cancelled")
+            span.end()
+        yield DONE
+
+    async def _resume(self, greq: GatewayRequest, shaper: _StreamShaper, failure: AttemptFailed) -> Attempt | None:
+        if not (self.config.resume_streams and greq.resumable) or shaper.resumes >= MAX_RESUMES:
+            return None
+        if not self.budget.withdraw():
+            self.metrics.retries_denied.inc()
+            return None
+        greq.exclude.add(shaper.replica_index)
+        sent = shaper.sent_ids
+        remaining = greq.max_tokens - len(sent)
+        if remaining < 1:
+            return None
+        prompt = greq.prompt_ids + sent
+        body = {"model": greq.like.model, "prompt": prompt, "max_tokens": remaining, "stream": True,
+                "stream_options": {"include_usage": True}}
+        for name in _CARRIED:
+            if name in greq.body:
+                body[name] = greq.body[name]
+        body["min_tokens"] = max(0, int(greq.body.get("min_tokens") or 0) - len(sent))
+        try:
+            # The client is mid-stream: the continuation waits for room like a new request would.
+            placement = await self._place(greq, prompt, remaining, Deadline.after(self.config.max_queue_wait_s))
+            attempt = await self._attempt(greq, placement, "/v1/completions", body, len(prompt))
+        except (APIError, AttemptFailed) as exc:
+            logger.warning("request %s: could not resume the stream: %s", greq.request_id, exc)
+            return None
+        shaper.resumed_on(attempt)
+        self.metrics.resumptions.inc()
+        logger.info("request %s: stream resumed on %s after %d tokens", greq.request_id, attempt.replica.label,
+                    len(sent))
+        return attempt
+
+    async def _gap(self, greq: GatewayRequest, shaper: _StreamShaper, attempt: Attempt) -> list[dict]:
+        """Text of tokens already sent that the failed replica had not shown yet (held back for a
+        stop string or an unfinished character): the continuation treats those tokens as prompt."""
+        try:
+            async with self.session.post(attempt.replica.url + "/detokenize",
+                                         json={"tokens": shaper.sent_ids}) as resp:
+                full = (await resp.json(content_type=None))["prompt"] if resp.status == 200 else None
+        except (aiohttp.ClientError, ValueError, TimeoutError, KeyError):
+            full = None
+        if full is None or not full.startswith(shaper.text) or len(full) == len(shaper.text):
+            return []
+        return [shaper.text_chunk(full[len(shaper.text):])]
+
+
+class _StreamShaper:
+    """Turns replica events into the client's stream: strips what the gateway asked for itself
+    (token ids, usage the client did not request), keeps one id/model across attempts, turns a
+    continuation's completion chunks into chat chunks, and counts what was sent."""
+
+    def __init__(self, greq: GatewayRequest, replica_index: int) -> None:
+        self.greq = greq
+        self.head: dict | None = None  # id, object, created, model of the client's stream
+        self.sent_ids: list[int] = []
+        self.text = ""
+        self.completion_tokens = 0
+        self.resumes = 0
+        self.finished = False
+        self.replica_index = replica_index  # of the attempt being relayed
+        self._base_completion = 0  # tokens sent before the current attempt
+
+    def resumed_on(self, attempt: Attempt) -> None:
+        self.resumes += 1
+        self.replica_index = attempt.replica.index
+        self._base_completion = len(self.sent_ids)
+
+    def shape(self, event: dict) -> list[dict]:
+        greq = self.greq
+        if self.head is None:
+            self.head = {k: event[k] for k in ("id", "object", "created", "model") if k in event}
+        if self.resumes:
+            event = self._as_original(event)
+        usage = event.get("usage")
+        if usage:
+            self.completion_tokens = self._base_completion + int(usage.get("completion_tokens", 0))
+            if self.resumes:
+                usage = {"prompt_tokens": greq.prompt_tokens, "completion_tokens": self.completion_tokens,
+                         "total_tokens": greq.prompt_tokens + self.completion_tokens}
+                event["usage"] = usage
+        for choice in event.get("choices") or ():
+            ids = choice.pop("token_ids", None)
+            if ids:
+                self.sent_ids.extend(ids)
+            self.text += choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+            if choice.get("finish_reason"):
+                self.finished = True
+                if self.resumes:
+                    event["resumed"] = {"after_tokens": self._base_completion, "attempts": greq.attempts}
+        if not greq.include_usage:
+            event.pop("usage", None)
+            if usage and not event.get("choices"):
+                return []  # the usage chunk the gateway asked for on its own
+        return [event]
+
+    def _as_original(self, event: dict) -> dict:
+        """A continuation's completion chunk, dressed as the client's stream."""
+        event = {**copy.deepcopy(event), **(self.head or {})}
+        if self.greq.chat:
+            event["choices"] = [{"index": c.get("index", 0), "delta": {"content": c["text"]} if c.get("text") else {},
+                                 "logprobs": None, "finish_reason": c.get("finish_reason"),
+                                 **({"token_ids": c["token_ids"]} if "token_ids" in c else {})}
+                                for c in event.get("choices") or ()]
+        return event
+
+    def text_chunk(self, text: str) -> dict:
+        self.text += text
+        choice = ({"index": 0, "delta": {"content": text}, "logprobs": None, "finish_reason": None} if self.greq.chat
+                  else {"index": 0, "text": text, "logprobs": None, "finish_reason": None})
+        return {**(self.head or {}), "choices": [choice]}
