@@ -86,6 +86,16 @@ class LaunchedServer:
                 await asyncio.sleep(0.25)
         raise self._timed_out(timeout_s)
 
+    def wait_ready(self, timeout_s: float) -> None:
+        """wait_healthy_sync, but a server that never gets healthy is stopped and its log tail
+        goes into the error (what a test wants to show when start-up fails)."""
+        try:
+            self.wait_healthy_sync(timeout_s)
+        except RuntimeError as exc:
+            tail = self.log_tail()
+            self.stop()
+            raise RuntimeError(f"{exc}\n{tail}") from None
+
     def wait_healthy_sync(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:

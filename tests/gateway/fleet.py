@@ -52,7 +52,7 @@ class Fleet:
         for r in self.replicas:
             r.start()
         for r in self.replicas:
-            _wait(r, STARTUP_S)
+            r.wait_ready(STARTUP_S)
         return self
 
     def gateway(self, *flags: str, backends: list[str] | None = None) -> LaunchedServer:
@@ -63,7 +63,7 @@ class Fleet:
         gw = _process(argv)
         gw.start()
         self.gateways.append(gw)
-        _wait(gw, 60)
+        gw.wait_ready(60)
         return gw
 
     def stop_gateway(self, gw: LaunchedServer) -> None:
@@ -80,7 +80,7 @@ class Fleet:
         old = self.replicas[i]
         self.replicas[i] = _process(["serve", *REPLICA_FLAGS], port=old.port)
         self.replicas[i].start()
-        _wait(self.replicas[i], STARTUP_S)
+        self.replicas[i].wait_ready(STARTUP_S)
 
     def stop(self) -> None:
         for p in [*self.gateways, *self.replicas]:
@@ -88,15 +88,6 @@ class Fleet:
                 p.stop()
             finally:
                 Path(p.log_path).unlink(missing_ok=True)
-
-
-def _wait(proc: LaunchedServer, timeout_s: float) -> None:
-    try:
-        proc.wait_healthy_sync(timeout_s)
-    except RuntimeError as exc:
-        tail = proc.log_tail()
-        proc.stop()
-        raise RuntimeError(f"{exc}\n{tail}") from None
 
 
 # ---- reading the replicas' own counters -------------------------------------------------------

@@ -28,13 +28,8 @@ class ServerProcess(LaunchedServer):
         if wait:
             self.wait_ready(startup_timeout)
 
-    def wait_ready(self, timeout: float = 180.0) -> None:
-        try:
-            self.wait_healthy_sync(timeout)
-        except RuntimeError as exc:
-            output = self.output()
-            self.stop()
-            raise RuntimeError(f"{exc}:\n{output}") from None
+    def wait_ready(self, timeout_s: float = 180.0) -> None:
+        super().wait_ready(timeout_s)
 
     def output(self) -> str:
         return self.log_tail()
