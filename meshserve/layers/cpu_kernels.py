@@ -28,8 +28,9 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCE_PATH = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
-_FUNCTIONS = ["paged_decode", "rms_norm", "silu_and_mul", "rotary_"]
+# decoder_stack.cpp calls the kernels of cpu_kernels.cpp: one translation unit, in this order.
+_SOURCE_PATHS = [Path(__file__).parent / "csrc" / name for name in ("cpu_kernels.cpp", "decoder_stack.cpp")]
+_FUNCTIONS = ["paged_decode", "rms_norm", "silu_and_mul", "rotary_", "decoder_stack"]
 
 _lock = threading.Lock()
 _module = None
@@ -57,7 +58,7 @@ def _build():
     # -fopenmp makes at::parallel_for use torch's OpenMP pool (same libgomp, already loaded).
     # Without trapping math (as torch itself is built) GCC vectorises loops with clamps in them.
     cflags = ["-O3", "-fopenmp", "-fno-trapping-math", "-fno-math-errno", *_cpu_flags()]
-    source = _SOURCE_PATH.read_text()
+    source = "\n".join(path.read_text() for path in _SOURCE_PATHS)
     # Everything that makes two builds differ names the build: two environments sharing one cache
     # directory (a venv and the system Python) must not take turns rebuilding the same module.
     parts = [source, *cflags, torch.__version__, sys.version.split()[0], *include_paths(),
@@ -131,3 +132,8 @@ def rotary_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: to
             head_dim: int) -> None:
     """Rotate-half RoPE, in place, on the first `num_heads` heads of each row of x [T, >= num_heads * D]."""
     _kernels().rotary_(x, positions, cos, sin, num_heads, head_dim)
+
+
+def decoder_stack(*args):
+    """A stage's dense decoder layers in one call; see cpu_decoder_stack.CPUDecoderStack."""
+    return _kernels().decoder_stack(*args)

@@ -11,6 +11,7 @@ from torch import nn
 from meshserve.distributed.parallel_state import get_parallel_state
 from meshserve.layers.activation import silu_and_mul
 from meshserve.layers.attention import AttentionMetadata, PagedAttention
+from meshserve.layers.cpu_decoder_stack import CPUDecoderStack
 from meshserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from meshserve.layers.linear import (
     MergedColumnParallelLinear,
@@ -125,6 +126,13 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleDict({str(i): self.make_layer(cfg, i, rotary) for i in self.layer_range})
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if self.is_last else None
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size) if self.is_last else None
+        self.cpu_stack: CPUDecoderStack | None = None  # set by use_cpu_stack once the weights are final
+
+    def use_cpu_stack(self) -> bool:
+        """Run the layers through the C++ loop when they qualify (layers/cpu_decoder_stack.py);
+        call after the weights are loaded and packed. Returns whether it is in use."""
+        self.cpu_stack = CPUDecoderStack.build(list(self.layers.values()), get_parallel_state().tp_size)
+        return self.cpu_stack is not None
 
     def make_layer(self, cfg: ModelConfig, layer: int, rotary: RotaryEmbedding) -> nn.Module:
         return LlamaDecoderLayer(cfg, rotary)
@@ -135,8 +143,11 @@ class LlamaForCausalLM(nn.Module):
         # A later stage's input becomes its residual stream, which the fused norms update in place.
         h = self.embed_tokens(input_ids) if self.is_first else hidden.clone()
         residual = None
-        for i, layer in self.layers.items():
-            h, residual = layer(positions, h, residual, kv_caches[int(i) - self.layer_range.start], meta)
+        if self.cpu_stack is not None and self.cpu_stack.accepts(h, kv_caches, meta):
+            h, residual = self.cpu_stack(positions, h, kv_caches, meta)
+        else:
+            for i, layer in self.layers.items():
+                h, residual = layer(positions, h, residual, kv_caches[int(i) - self.layer_range.start], meta)
         if residual is None:  # a stage without layers
             return self.norm(h) if self.is_last else h
         return self.norm(h, residual)[0] if self.is_last else h + residual

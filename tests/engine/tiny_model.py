@@ -15,14 +15,14 @@ TINY_CONFIG = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "interm
                "max_position_embeddings": 256}
 
 
-def write_tiny_config(directory: Path) -> Path:
+def write_tiny_config(directory: Path, **overrides) -> Path:
     path = directory / "config.json"
-    path.write_text(json.dumps(TINY_CONFIG))
+    path.write_text(json.dumps({**TINY_CONFIG, **overrides}))
     return path
 
 
-def tiny_runner(directory: Path, max_model_len: int = 64, **engine_args) -> ModelRunner:
-    path = write_tiny_config(directory)
+def tiny_runner(directory: Path, max_model_len: int = 64, config: dict | None = None, **engine_args) -> ModelRunner:
+    path = write_tiny_config(directory, **(config or {}))
     set_parallel_state(ParallelState())
     config = EngineConfig(model=str(path), load_format="dummy", dtype="float32", device="cpu", **engine_args)
     return ModelRunner(config, resolve_model(str(path), "dummy"), max_model_len)

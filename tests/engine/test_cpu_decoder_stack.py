@@ -1,0 +1,68 @@
+"""The C++ decoder-layer loop (layers/cpu_decoder_stack.py) computes bit for bit what the module
+path computes, for every kind of step the scheduler makes: fresh prompts (equal lengths batched
+into one attention call, and not), a chunk after cached tokens, decodes, and all of them in one
+step; and the layers it cannot run keep the module path."""
+import pytest
+import torch
+from tiny_model import tiny_runner
+
+from meshserve.engine.step import SeqStep, StepInput
+from meshserve.layers import cpu_kernels
+from meshserve.layers.cpu_decoder_stack import CPUDecoderStack
+from meshserve.worker.step_packing import pack_step, torch_inputs
+
+BLOCK = 8
+
+
+def _steps() -> list[StepInput]:
+    """Sequences 0 and 1: 12-token prompts (one batched attention call), 2: a 7-token prompt, then
+    its next 6 tokens as a chunk over the cache alongside decodes of 0 and 1, then a 3-token prompt
+    joining three decodes."""
+    toks = lambda n, base: [(base + 7 * i) % 100 + 1 for i in range(n)]  # noqa: E731
+    tables = {0: [0, 1], 1: [2, 3], 2: [4, 5], 3: [6]}
+    return [
+        StepInput([SeqStep(0, toks(12, 1), 0, tables[0], True), SeqStep(1, toks(12, 2), 0, tables[1], True),
+                   SeqStep(2, toks(7, 3), 0, tables[2], False)]),
+        StepInput([SeqStep(2, toks(6, 4), 7, tables[2], True), SeqStep(0, [5], 12, tables[0], True),
+                   SeqStep(1, [6], 12, tables[1], True)]),
+        StepInput([SeqStep(3, toks(3, 5), 0, tables[3], True), SeqStep(0, [7], 13, tables[0], True),
+                   SeqStep(1, [8], 13, tables[1], True), SeqStep(2, [9], 13, tables[2], True)]),
+    ]
+
+
+@pytest.mark.parametrize("config", [{}, {"attention_bias": True}, {"num_key_value_heads": 4}])
+def test_stack_equals_module_path_bit_for_bit(tmp_path, config):
+    assert cpu_kernels.available()
+    runner = tiny_runner(tmp_path, block_size=BLOCK, config=config)
+    model = runner.model
+    stack = model.cpu_stack
+    assert stack is not None, "the tiny Llama on CPU float32 must take the C++ loop"
+    if config.get("attention_bias"):
+        assert all(layer.self_attn.qkv_proj.bias is not None for layer in model.layers.values())
+    shape = (2, 8, BLOCK, runner.num_kv_heads, runner.head_dim)
+    fast_caches = [torch.zeros(shape) for _ in model.layers]
+    plain_caches = [c.clone() for c in fast_caches]
+    with torch.inference_mode():
+        for step in _steps():
+            ids, positions, meta = torch_inputs(pack_step(step, BLOCK), BLOCK, torch.device("cpu"))
+            model.cpu_stack = stack
+            fast = model(ids, positions, fast_caches, meta)
+            model.cpu_stack = None
+            plain = model(ids, positions, plain_caches, meta)
+            assert torch.equal(fast, plain)
+            for a, b in zip(fast_caches, plain_caches):
+                assert torch.equal(a, b)
+    assert fast.abs().sum() > 0
+
+
+def test_layers_it_cannot_run_keep_the_module_path(tmp_path):
+    moe = {"architectures": ["MixtralForCausalLM"], "num_local_experts": 4, "num_experts_per_tok": 2}
+    assert tiny_runner(tmp_path, block_size=BLOCK, config=moe).model.cpu_stack is None
+    layers = list(tiny_runner(tmp_path, block_size=BLOCK).model.layers.values())
+    assert CPUDecoderStack.build(layers, tp_size=2) is None  # the all-reduces stay in the module path
+    assert CPUDecoderStack.build(layers, tp_size=1) is not None
+
+
+def test_disabled_with_the_cpu_kernels(tmp_path, monkeypatch):
+    monkeypatch.setenv("MESHSERVE_DISABLE_CPU_KERNELS", "1")
+    assert tiny_runner(tmp_path, block_size=BLOCK).model.cpu_stack is None
