@@ -14,7 +14,8 @@ same for both engines: a replayed prompt would be a prefix-cache hit, not a pref
     python benchmarks/serving_latency.py --rates 0.5,1 --no-sweep --meshserve-args "--prefill-chunk-with-decodes 64"
 
 The planner column is `meshserve plan`'s operating point of the embedded model on this machine
-(`meshserve plan --calibrate` constants, measured now unless --calibration-file is given): its TTFT
+(`meshserve plan --calibrate` constants, measured just before each load unless --calibration-file
+is given: the speed of a shared machine drifts by tens of percent within minutes): its median TTFT
 and its inter-token latency, next to the measured p50 TTFT and TPOT.
 """
 from __future__ import annotations
@@ -105,10 +106,12 @@ def bench_config(a: argparse.Namespace, url: str, num_prompts: int) -> BenchConf
 SWEEP_SEED_OFFSET = 100  # the sweep's prompts: none of the loads' (offsets 0, 1, ...)
 
 
-async def measure(a: argparse.Namespace, found: list[Engine], urls: list[str]) -> None:
+async def measure(a: argparse.Namespace, found: list[Engine], urls: list[str], plan: dict[float, list[float]]) -> None:
     rates = parse_csv_floats(a.rates, "--rates")
     loads = [(rate, a.num_prompts) for rate in rates] + ([(math.inf, a.burst_prompts)] if a.burst_prompts else [])
     for i, (rate, count) in enumerate(loads):
+        if math.isfinite(rate):
+            plan[rate] = list(planner_point(a, rate))
         turns = list(zip(found, urls))
         for engine, url in turns if i % 2 == 0 else turns[::-1]:
             async with Benchmark(bench_config(a, url, count)) as bench:
@@ -136,7 +139,7 @@ def summary(r: dict) -> str:
             f"goodput {r.get('request_goodput', 0):.2f} req/s")
 
 
-def run_engines(a: argparse.Namespace, found: list[Engine]) -> None:
+def run_engines(a: argparse.Namespace, found: list[Engine], plan: dict[float, list[float]]) -> None:
     with contextlib.ExitStack() as stack:
         servers = []
         for engine in found:
@@ -150,36 +153,36 @@ def run_engines(a: argparse.Namespace, found: list[Engine]) -> None:
             servers.append(stack.enter_context(server))
         for server in servers:
             server.wait_healthy_sync(900)
-        asyncio.run(measure(a, found, [server.url for server in servers]))
+        asyncio.run(measure(a, found, [server.url for server in servers], plan))
 
 
-def planner_points(a: argparse.Namespace) -> dict[float, tuple[float, float]]:
-    """Planned (TTFT s, inter-token s) of the embedded model on this machine, per offered rate."""
+def planner_gpu(a: argparse.Namespace):
+    """This machine as the planner sees it: --calibration-file, or `meshserve plan --calibrate`
+    measured now (the machine's speed drifts, so each load measures it just before it runs)."""
     from meshserve.plan.calibrate import calibrate, load_calibration
+
+    if a.calibration_file:
+        return load_calibration(a.calibration_file).to_gpu_spec()
+    return calibrate(os.path.join(tempfile.mkdtemp(), "calibration.json"))[0].to_gpu_spec()
+
+
+def planner_point(a: argparse.Namespace, rate: float) -> tuple[float, float]:
+    """Planned (median TTFT s, inter-token s) of the embedded model on this machine at `rate`."""
+    from meshserve.config import CPU_DEFAULT_KV_BYTES
     from meshserve.plan.catalog import get_model
     from meshserve.plan.goodput import Workload, operating_point
-    from meshserve.config import CPU_DEFAULT_KV_BYTES
     from meshserve.plan.memory import kv_bytes_per_token
     from meshserve.plan.planner import make_perf_model
 
-    if a.calibration_file:
-        gpu = load_calibration(a.calibration_file).to_gpu_spec()
-    else:
-        cal, _ = calibrate(os.path.join(tempfile.mkdtemp(), "calibration.json"))
-        gpu = cal.to_gpu_spec()
     spec = get_model("SmolLM2-135M")
-    perf = make_perf_model(spec, gpu, 1, 1, weight_dtype="fp32", kv_dtype="fp32", gpus_per_node=1,
+    perf = make_perf_model(spec, planner_gpu(a), 1, 1, weight_dtype="fp32", kv_dtype="fp32", gpus_per_node=1,
                            compute_efficiency=1.0)
-    work = Workload(a.input_len, a.output_len)
     seats = int(CPU_DEFAULT_KV_BYTES // (kv_bytes_per_token(spec, "fp32") * (a.input_len + a.output_len)))
-    points = {}
-    for rate in parse_csv_floats(a.rates, "--rates"):
-        op = operating_point(perf, seats, work, rate)
-        points[rate] = (op.ttft_p50_s, op.itl_s)
-    return points
+    op = operating_point(perf, seats, Workload(a.input_len, a.output_len), rate)
+    return op.ttft_p50_s, op.itl_s
 
 
-def table(a: argparse.Namespace, found: list[Engine], plan: dict[float, tuple[float, float]]) -> str:
+def table(a: argparse.Namespace, found: list[Engine], plan: dict[float, list[float]]) -> str:
     head = ("| load | engine | output tok/s | TTFT p50 / p95 / p99 ms | TPOT p50 / p95 ms | ITL p95 ms "
             "| goodput req/s | planner TTFT / TPOT ms |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
@@ -203,8 +206,8 @@ def main(argv=None) -> int:
 
     model_dir = str(resolve_model("default").path)  # the converted HF directory: both engines read it
     found = engines(a, model_dir)
-    plan = planner_points(a)
-    run_engines(a, found)
+    plan: dict[float, list[float]] = {}  # rate -> the planner's (TTFT, inter-token) seconds
+    run_engines(a, found, plan)
     print(f"\nrandom {a.input_len}-token prompts, {a.output_len} output tokens, ignore_eos; goodput SLO "
           f"TTFT {a.slo_ttft_ms:g} ms / TPOT {a.slo_tpot_ms:g} ms; {os.cpu_count()} cores, load average "
           f"{os.getloadavg()[0]:.1f} at the end\n")

@@ -66,7 +66,7 @@ class CPUDecoderStack:
             h, self.weights, kv_caches, positions, self.cos, self.sin, meta.slot_mapping, groups, tables,
             meta.num_prefill_tokens, meta.decode_block_tables if decode else _NONE,
             meta.decode_context_lens if decode else _NONE, self.num_heads, self.num_kv_heads, self.head_dim,
-            self.eps, cpu_gemm.PACKED_MAX_ROWS)
+            self.eps, cpu_gemm.PACKED_MIN_ROWS, cpu_gemm.PACKED_MAX_ROWS)
         return h, residual
 
 

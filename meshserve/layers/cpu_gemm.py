@@ -16,6 +16,11 @@ import torch
 import torch.nn.functional as F
 
 PACKED_MAX_ROWS = 128  # crossover measured on SmolLM2's shapes, 2 AVX2 cores: ~150-250 rows
+# Below this many rows oneDNN's setup per call (~20 us) outweighs what it saves on a decoder layer's
+# weights: MKL ran SmolLM2's layers ~10% faster at 1-3 rows, oneDNN 1.3x faster from 4 (2 AVX-512
+# cores). An LM head, tens of times larger, gains from one row on (PACKED_MIN_ROWS_LM_HEAD).
+PACKED_MIN_ROWS = 4
+PACKED_MIN_ROWS_LM_HEAD = 1
 
 
 def _enabled(weight: torch.Tensor) -> bool:
@@ -27,13 +32,14 @@ class PrepackedMatmul:
     """Mixin for modules holding a `weight` [out, in] used as x @ weight^T."""
 
     _packed: torch.Tensor | None = None
+    packed_min_rows = PACKED_MIN_ROWS
 
     def prepack(self) -> None:
         """Call after the weights are loaded and on their final device and dtype."""
         self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach()) if _enabled(self.weight) else None
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if self._packed is not None and x.dim() == 2 and x.shape[0] <= PACKED_MAX_ROWS:
+        if self._packed is not None and x.dim() == 2 and self.packed_min_rows <= x.shape[0] <= PACKED_MAX_ROWS:
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self._packed, bias, "none", [], "")
         return F.linear(x, self.weight, bias)
 

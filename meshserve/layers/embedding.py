@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshserve.distributed.parallel_state import get_parallel_state
-from meshserve.layers.cpu_gemm import PrepackedMatmul
+from meshserve.layers.cpu_gemm import PACKED_MIN_ROWS_LM_HEAD, PrepackedMatmul
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -36,6 +36,8 @@ class VocabParallelEmbedding(nn.Module):
 
 class ParallelLMHead(PrepackedMatmul, VocabParallelEmbedding):
     """Logits for the rows given; each rank computes its vocabulary slice, then one all-gather."""
+
+    packed_min_rows = PACKED_MIN_ROWS_LM_HEAD
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.matmul(hidden)

@@ -52,6 +52,10 @@ class Calibration:
     gemm_profile: list[list[float]] | None = None
     attention_flops: float | None = None  # causal prefill attention (SDPA), FLOP/s
     op_overhead_s: float | None = None    # host time of one small kernel call, not hidden by compute
+    # The engine's fixed costs on a CPU, from one-row decode steps of a tiny-width model on its own
+    # model runner: per step (embedding, packing, LM head and sampler calls) and per decoder layer.
+    step_overhead_s: float | None = None
+    layer_overhead_s: float | None = None
 
     def to_gpu_spec(self) -> GPUSpec:
         """Measured constants stand in for every datasheet figure: they are achievable rates,
@@ -67,6 +71,7 @@ class Calibration:
             gpus_per_node=self.devices, measured=True,
             gemm_profile=tuple((int(r), float(t)) for r, t in self.gemm_profile or ()),
             attention_flops=self.attention_flops, op_overhead_s=self.op_overhead_s or 0.0,
+            step_overhead_s=self.step_overhead_s, layer_overhead_s=self.layer_overhead_s,
             notes=f"measured on {self.device} ({self.matmul_dtype} matmul, {self.threads} threads) "
                   f"at {self.measured_at}")
 
@@ -132,32 +137,55 @@ def measure_memory_bandwidth(device: str, nbytes: int = 128 * 2**20, repeats: in
 
 
 GEMM_PROFILE_ROWS = (1, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
-# Weights cycled through per timing, 4 x 2048 x 2048 float32 = 64 MiB: more than a CPU's caches,
-# as a model's layers are, so a few rows measure the memory, not a cache.
-_GEMM_SHAPE, _GEMM_WEIGHTS = (2048, 2048), 4
+_GEMM_SHAPE = (2048, 2048)
+# From this many rows on a linear layer is compute-bound: where its weights come from (cache or
+# memory) no longer matters, so a few matrices keep those timings short.
+_COMPUTE_BOUND_ROWS = 128
+
+
+def last_level_cache_bytes() -> int:
+    """The CPU's largest cache (sysfs), 0 where unknown."""
+    sizes = []
+    for entry in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        text = entry.read_text().strip()
+        try:
+            sizes.append(int(text[:-1]) * {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}[text[-1]]
+                         if text[-1] in "KMG" else int(text))
+        except (ValueError, KeyError):
+            continue
+    return max(sizes, default=0)
+
+
+def streamed_bytes(device: str, floor: int) -> int:
+    """Bytes a memory-bound measurement must stream so that no cache holds them, as no cache holds
+    a model's weights: twice the last-level cache on a CPU (some have hundreds of MiB), at least `floor`."""
+    return floor if device.startswith("cuda") else max(floor, 2 * last_level_cache_bytes())
 
 
 def measure_gemm_profile(device: str, dtype, repeats: int = 5, clock: Clock = time.perf_counter,
                          rows: tuple[int, ...] = GEMM_PROFILE_ROWS) -> list[list[float]]:
     """Seconds per weight byte of `rows` x K @ (K x N) through the engine's linear layer (on a CPU,
-    float32 weights packed once for oneDNN, as the engine runs them)."""
+    float32 weights packed once for oneDNN, as the engine runs them). Few rows stream weights
+    larger than the caches, as a model's layers are."""
     import torch
 
     from meshserve.layers.linear import ReplicatedLinear
 
+    matrix_bytes = _GEMM_SHAPE[0] * _GEMM_SHAPE[1] * torch.finfo(dtype).bits // 8
+    pool = -(-streamed_bytes(device, 64 << 20) // matrix_bytes)
     layers = []
-    for _ in range(_GEMM_WEIGHTS):
+    for _ in range(pool):
         layer = ReplicatedLinear(_GEMM_SHAPE[1], _GEMM_SHAPE[0]).to(device=device, dtype=dtype)
         layer.weight.data.normal_()
         layer.prepack()
         layers.append(layer)
-    weight_bytes = _GEMM_WEIGHTS * _GEMM_SHAPE[0] * _GEMM_SHAPE[1] * torch.finfo(dtype).bits // 8
     profile = []
     with torch.inference_mode():
         for m in rows:
+            used = layers if m < _COMPUTE_BOUND_ROWS else layers[:4]
             x = torch.randn(m, _GEMM_SHAPE[1], device=device, dtype=dtype)
-            t = _best_time(lambda: [layer(x) for layer in layers], repeats, _sync(device), clock)
-            profile.append([m, t / weight_bytes])
+            t = _best_time(lambda: [layer(x) for layer in used], repeats, _sync(device), clock)
+            profile.append([m, t / (len(used) * matrix_bytes)])
     return profile
 
 
@@ -185,6 +213,53 @@ def measure_op_overhead(device: str, ops: int = 200, repeats: int = 5, clock: Cl
             x.mul_(1.0)
 
     return _best_time(chain, repeats, _sync(device), clock) / ops
+
+
+# Wide enough for the engine's kernels, too narrow for its matmuls and attention to cost anything.
+_PROBE_MODEL = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 128,
+                "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 128,
+                "max_position_embeddings": 256}
+
+
+def measure_engine_overheads(repeats: int = 10, clock: Clock = time.perf_counter,
+                             layer_counts: tuple[int, int] = (2, 12)) -> tuple[float, float]:
+    """(seconds per step, seconds per decoder layer) of a one-row greedy decode step through the
+    engine's model runner and sampler on this CPU: tiny-width dummy models of two depths, the
+    difference per layer, the rest per step."""
+    from meshserve.config import EngineConfig
+    from meshserve.distributed.parallel_state import ParallelState, get_parallel_state, set_parallel_state
+    from meshserve.engine.step import SeqStep, StepInput
+    from meshserve.models.loader import resolve_model
+    from meshserve.sampling_params import SamplingParams
+    from meshserve.worker.model_runner import ModelRunner
+
+    context, block = 64, 16
+    greedy = SamplingParams(temperature=0.0, max_tokens=1)
+    previous = get_parallel_state()
+    set_parallel_state(ParallelState())
+    times = []
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            for layers in layer_counts:
+                path = Path(tmp) / f"probe-{layers}.json"
+                path.write_text(json.dumps({**_PROBE_MODEL, "num_hidden_layers": layers}))
+                config = EngineConfig(model=str(path), load_format="dummy", dtype="float32", device="cpu",
+                                      block_size=block)
+                runner = ModelRunner(config, resolve_model(str(path), "dummy"), 256)
+                runner.init_kv_cache(context // block + 1)
+                table = list(range(context // block + 1))
+                runner.forward(StepInput([SeqStep(0, list(range(1, context + 1)), 0, table, False)]))
+                decode = StepInput([SeqStep(0, [7], context, table, True, params=greedy)])
+
+                def step() -> None:
+                    hidden, rows = runner.forward(decode)
+                    runner.sample(decode, hidden[rows])
+
+                times.append(_best_time(step, repeats, lambda: None, clock))
+    finally:
+        set_parallel_state(previous)
+    per_layer = max(0.0, (times[1] - times[0]) / (layer_counts[1] - layer_counts[0]))
+    return max(0.0, times[0] - layer_counts[0] * per_layer), per_layer
 
 
 def _sync(device: str) -> Callable[[], None]:
@@ -277,18 +352,22 @@ def calibrate(path: str | Path | None = None, *, threads: int | None = None,
     clock = time.thread_time if cpu_time else time.perf_counter
     alpha, beta = measure_allreduce()
     previous = torch.get_num_threads()
+    step_overhead = layer_overhead = None
     torch.set_num_threads(threads or previous)
     try:
+        if not cuda:  # on a GPU the per-call cost is op_overhead_s (launches, CUDA graphs aside)
+            step_overhead, layer_overhead = measure_engine_overheads(clock=clock)
         cal = Calibration(
             device=torch.cuda.get_device_name(0) if cuda else "cpu",
             matmul_dtype=str(dtype).removeprefix("torch."),
             matmul_flops=measure_matmul_flops(device, dtype, n=4096 if cuda else 1024, clock=clock),
             memory_bandwidth=measure_memory_bandwidth(
-                device, nbytes=(1 << 30) if cuda else 128 << 20, clock=clock),
+                device, nbytes=streamed_bytes(device, (1 << 30) if cuda else 128 << 20), clock=clock),
             allreduce_latency_s=alpha, allreduce_bandwidth=beta,
             gemm_profile=measure_gemm_profile(device, dtype, clock=clock),
             attention_flops=measure_attention_flops(device, dtype, clock=clock),
             op_overhead_s=measure_op_overhead(device, clock=clock),
+            step_overhead_s=step_overhead, layer_overhead_s=layer_overhead,
             memory_bytes=_memory_bytes(device),
             devices=torch.cuda.device_count() if cuda else 1,
             threads=torch.get_num_threads(), torch_version=torch.__version__,

@@ -82,7 +82,9 @@ def operating_point(perf: PerfModel, max_concurrency: int, work: Workload,
 
     def ttft_at(b: float, wait: float) -> float:
         # With fewer than one sequence decoding on average, a step is under way min(b, 1) of the time.
-        return wait + (1 - rho) * min(b, 1.0) * perf.decode_step_time(max(b, 1.0), context) / 2 + prefill
+        # The prompt's own step also carries the b running sequences' decode rows.
+        waited = wait + (1 - rho) * min(b, 1.0) * perf.decode_step_time(max(b, 1.0), context) / 2
+        return waited + (perf.prefill_time(work.prompt_len + round(b)) if b >= 1 else prefill)
 
     def excess(b: float) -> float:  # Little's law residual
         return rate * (ttft_at(b, queue) + (work.output_len - 1) * itl(b)) - b

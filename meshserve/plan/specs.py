@@ -113,6 +113,8 @@ class GPUSpec:
     gemm_profile: tuple[tuple[int, float], ...] = ()
     attention_flops: float | None = None
     op_overhead_s: float = 0.0
+    step_overhead_s: float | None = None  # the engine's own fixed costs (CPU calibration)
+    layer_overhead_s: float | None = None
 
     def __post_init__(self) -> None:
         for field in ("memory_bytes", "hbm_bandwidth", "bf16_flops", "fp32_flops",

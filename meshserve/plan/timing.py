@@ -224,11 +224,25 @@ class PerfModel:
             # every kernel call pays the host's launch time.
             linear = body_bytes * per_byte + head_bytes * (self.gpu.linear_seconds_per_byte(head_tokens) or 0.0)
             attention = kv_bytes / self.bandwidth + attn_flops / (self.gpu.attention_flops or self.flops)
-            return linear + attention + stage.num_layers * OPS_PER_LAYER * self.gpu.op_overhead_s
+            return linear + attention + self._activation_traffic(stage, tokens) + self._fixed_costs(stage)
         linear_flops = (2 * tokens * (stage.active + (skew - 1) * stage.experts_active)
                         + 2 * head_tokens * stage.head)
         return (max((body_bytes + head_bytes) / self.bandwidth, linear_flops / self.flops)
                 + max(kv_bytes / self.bandwidth, attn_flops / self.flops))
+
+    def _activation_traffic(self, stage: StageShard, tokens: float) -> float:
+        """The element-wise passes between the matmuls (norms, residual adds, rotary, the
+        activation, cache writes) stream each token's activations from memory once a prefill no
+        longer fits in cache: about 8 hidden-wide and 4 intermediate-wide vectors per layer."""
+        per_token = (8 * self.spec.hidden_size + 4 * self.spec.intermediate_size) * self.act_bytes
+        return tokens * stage.num_layers * per_token / self.bandwidth
+
+    def _fixed_costs(self, stage: StageShard) -> float:
+        """The engine's own per-step and per-layer costs where measured, else a host time per
+        kernel call."""
+        if self.gpu.layer_overhead_s is not None:
+            return (self.gpu.step_overhead_s or 0.0) + stage.num_layers * self.gpu.layer_overhead_s
+        return stage.num_layers * OPS_PER_LAYER * self.gpu.op_overhead_s
 
     def decode_stage_parts(self, stage: StageShard, batch: float, context: float) -> dict[str, float]:
         """A decode step of one stage by kind, as the engine's per-rank timing splits it."""

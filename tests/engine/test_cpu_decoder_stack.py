@@ -17,7 +17,7 @@ BLOCK = 8
 def _steps() -> list[StepInput]:
     """Sequences 0 and 1: 12-token prompts (one batched attention call), 2: a 7-token prompt, then
     its next 6 tokens as a chunk over the cache alongside decodes of 0 and 1, then a 3-token prompt
-    joining three decodes."""
+    joining three decodes, then two decodes alone (fewer rows than the packed matmuls take)."""
     toks = lambda n, base: [(base + 7 * i) % 100 + 1 for i in range(n)]  # noqa: E731
     tables = {0: [0, 1], 1: [2, 3], 2: [4, 5], 3: [6]}
     return [
@@ -27,6 +27,7 @@ def _steps() -> list[StepInput]:
                    SeqStep(1, [6], 12, tables[1], True)]),
         StepInput([SeqStep(3, toks(3, 5), 0, tables[3], True), SeqStep(0, [7], 13, tables[0], True),
                    SeqStep(1, [8], 13, tables[1], True), SeqStep(2, [9], 13, tables[2], True)]),
+        StepInput([SeqStep(0, [10], 14, tables[0], True), SeqStep(3, [11], 3, tables[3], True)]),  # unpacked rows
     ]
 
 

@@ -178,13 +178,14 @@ def test_rotary_in_place_matches_module_formula():
 
 # ---- pre-packed matmuls ----------------------------------------------------------------------------
 
-@pytest.mark.parametrize("rows", [1, 64, 128, 129, 700])  # packed up to PACKED_MAX_ROWS, F.linear beyond
-@pytest.mark.parametrize("bias", [False, True])
-def test_packed_linear_matches_f_linear(rows, bias):
-    from meshserve.layers.cpu_gemm import PACKED_MAX_ROWS
+@pytest.mark.parametrize("rows", [1, 3, 4, 64, 128, 129, 700])  # packed from PACKED_MIN_ROWS to _MAX_ROWS
+@pytest.mark.parametrize("bias,lm_head", [(False, False), (True, False), (False, True)])
+def test_packed_linear_matches_f_linear(rows, bias, lm_head):
+    from meshserve.layers.cpu_gemm import PACKED_MAX_ROWS, PACKED_MIN_ROWS, PACKED_MIN_ROWS_LM_HEAD
+    from meshserve.layers.embedding import ParallelLMHead
     from meshserve.layers.linear import ColumnParallelLinear
 
-    lin = ColumnParallelLinear(96, 200, bias=bias)
+    lin = ParallelLMHead(200, 96) if lm_head else ColumnParallelLinear(96, 200, bias=bias)
     g = torch.Generator().manual_seed(rows)
     lin.weight.data = torch.randn(200, 96, generator=g)
     if bias:
@@ -197,8 +198,9 @@ def test_packed_linear_matches_f_linear(rows, bias):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda *a: calls.append(1) or real(*a))
         out = lin(x)
-    assert bool(calls) == (rows <= PACKED_MAX_ROWS)
-    torch.testing.assert_close(out, F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-4)
+    low = PACKED_MIN_ROWS_LM_HEAD if lm_head else PACKED_MIN_ROWS
+    assert bool(calls) == (low <= rows <= PACKED_MAX_ROWS)
+    torch.testing.assert_close(out, F.linear(x, lin.weight, getattr(lin, "bias", None)), rtol=1e-5, atol=1e-4)
 
 
 def test_packing_off_when_disabled_or_not_float32(monkeypatch):

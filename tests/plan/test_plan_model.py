@@ -275,13 +275,20 @@ def test_a_measured_profile_replaces_the_roofline_for_dense_models():
     stage = profiled.stages[0]
     gpu = profiled.gpu
     # Decode, 8 rows: every weight byte at the 8-row rate, the head too (8 sampled rows), plus the
-    # cache read, the attention arithmetic and the kernel calls, added rather than overlapped.
+    # cache read, the attention arithmetic, the element-wise passes over the 8 rows' activations
+    # and the kernel calls, added rather than overlapped.
+    activations = 8 * stage.num_layers * (8 * spec.hidden_size + 4 * spec.intermediate_size) * 4 / gpu.hbm_bandwidth
     expected = ((stage.dense_read + stage.head) * 4 * gpu.linear_seconds_per_byte(8)
                 + 8 * 300 * stage.kv_entries * 4 / gpu.hbm_bandwidth
                 + 8 * 300 * profiled._attn_flops_per_ctx_token(stage) / gpu.attention_flops
-                + stage.num_layers * 12 * gpu.op_overhead_s)
+                + activations + stage.num_layers * 12 * gpu.op_overhead_s)
     assert profiled.decode_step_time(8, 300) == pytest.approx(expected)
     assert profiled.decode_step_time(8, 300) > roofline.decode_step_time(8, 300)
+    # The engine's measured fixed costs (CPU calibration) replace the per-call estimate.
+    measured = make_perf_model(spec, _profiled_cpu(step_overhead_s=1e-3, layer_overhead_s=2e-4), 1, 1,
+                               weight_dtype="fp32", kv_dtype="fp32", gpus_per_node=1, compute_efficiency=1.0)
+    fixed = 1e-3 + stage.num_layers * 2e-4 - stage.num_layers * 12 * gpu.op_overhead_s
+    assert measured.decode_step_time(8, 300) == pytest.approx(expected + fixed)
     # Prefill: the head computes one row, the body all 256.
     body = stage.dense_read * 4 * gpu.linear_seconds_per_byte(256)
     assert profiled.prefill_time(256) > body + stage.head * 4 * gpu.linear_seconds_per_byte(1)

@@ -19,12 +19,16 @@ enum LayerWeight : int64_t {
 
 bool present(const torch::Tensor& t) { return t.defined() && t.numel() > 0; }
 
+struct PackedRows {  // the row counts that take the packed weight (cpu_gemm.PACKED_MIN_ROWS / _MAX_ROWS)
+  int64_t min, max;
+};
+
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& packed,
-                     const torch::Tensor& bias, int64_t packed_max_rows) {
+                     const torch::Tensor& bias, const PackedRows& rows) {
   // The same choice as cpu_gemm.PrepackedMatmul.matmul: oneDNN on the packed weight for few rows.
   std::optional<torch::Tensor> b;
   if (present(bias)) b = bias;
-  if (present(packed) && x.size(0) <= packed_max_rows) {
+  if (present(packed) && rows.min <= x.size(0) && x.size(0) <= rows.max) {
     static auto op = c10::Dispatcher::singleton()
                          .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
                          .typed<torch::Tensor(const torch::Tensor&, const torch::Tensor&,
@@ -99,12 +103,14 @@ std::vector<torch::Tensor> decoder_stack(torch::Tensor h, std::vector<torch::Ten
                                          std::vector<int64_t> prefill_groups, std::vector<torch::Tensor> prefill_tables,
                                          int64_t num_prefill_tokens, torch::Tensor decode_tables,
                                          torch::Tensor decode_lens, int64_t num_heads, int64_t num_kv_heads,
-                                         int64_t head_dim, double eps, int64_t packed_max_rows) {
+                                         int64_t head_dim, double eps, int64_t packed_min_rows,
+                                         int64_t packed_max_rows) {
   pybind11::gil_scoped_release no_gil;
   TORCH_CHECK(weights.size() == kv_caches.size() * kWeightsPerLayer, "decoder_stack: weights per layer mismatch");
   TORCH_CHECK(prefill_groups.size() % 4 == 0 && prefill_tables.size() * 4 == prefill_groups.size());
   const StepAttention step{slot_mapping, prefill_groups, prefill_tables, num_prefill_tokens, decode_tables,
                            decode_lens};
+  const PackedRows rows{packed_min_rows, packed_max_rows};
   const int64_t H = num_heads, KVH = num_kv_heads, D = head_dim, T = h.size(0);
   TORCH_CHECK(!kv_caches.empty(), "decoder_stack: no layers");
   torch::Tensor residual;
@@ -117,16 +123,16 @@ std::vector<torch::Tensor> decoder_stack(torch::Tensor h, std::vector<torch::Ten
       residual = residual.contiguous();
       h = rms_norm(h, w[kInputNorm], residual, eps);
     }
-    auto qkv = linear(h, w[kQKV], w[kQKVPacked], w[kQKVBias], packed_max_rows);
+    auto qkv = linear(h, w[kQKV], w[kQKVPacked], w[kQKVBias], rows);
     rotary_(qkv, positions, cos, sin, H + KVH, D);
     auto q = qkv.slice(1, 0, H * D).view({T, H, D});
     auto k = qkv.slice(1, H * D, (H + KVH) * D).view({T, KVH, D});
     auto v = qkv.slice(1, (H + KVH) * D, (H + 2 * KVH) * D).view({T, KVH, D});
     auto o = attention(q, k, v, kv_caches[layer], step, KVH, D);
-    h = linear(o.reshape({T, H * D}), w[kO], w[kOPacked], torch::Tensor(), packed_max_rows);
+    h = linear(o.reshape({T, H * D}), w[kO], w[kOPacked], torch::Tensor(), rows);
     h = rms_norm(h, w[kPostNorm], residual, eps);
-    h = linear(silu_and_mul(linear(h, w[kGateUp], w[kGateUpPacked], torch::Tensor(), packed_max_rows)), w[kDown],
-               w[kDownPacked], torch::Tensor(), packed_max_rows);
+    h = linear(silu_and_mul(linear(h, w[kGateUp], w[kGateUpPacked], torch::Tensor(), rows)), w[kDown],
+               w[kDownPacked], torch::Tensor(), rows);
   }
   return {h, residual};
 }
