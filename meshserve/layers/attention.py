@@ -65,7 +65,7 @@ class PagedAttention:
         if meta.use_triton:
             return self._triton(q, k_cache, v_cache, meta)
         out = torch.empty_like(q)
-        for group in _fresh_runs(meta.prefills):
+        for group in fresh_runs(meta.prefills):
             a, b = group[0].q_start, group[-1].q_end
             if group[0].num_cached == 0:
                 out[a:b] = self._prefill_fresh(q[a:b], k[a:b], v[a:b], len(group))
@@ -128,7 +128,7 @@ class PagedAttention:
         return o.reshape(b, self.num_heads, d)
 
 
-def _fresh_runs(prefills: list[PrefillSeq]) -> list[list[PrefillSeq]]:
+def fresh_runs(prefills: list[PrefillSeq]) -> list[list[PrefillSeq]]:
     """Consecutive prefills with nothing cached and the same length, grouped; every other prefill
     (one that reads cached tokens) on its own."""
     runs: list[list[PrefillSeq]] = []

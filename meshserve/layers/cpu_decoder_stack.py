@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from meshserve.layers import cpu_gemm, cpu_kernels
-from meshserve.layers.attention import AttentionMetadata, _fresh_runs
+from meshserve.layers.attention import AttentionMetadata, fresh_runs
 
 _NONE = torch.empty(0)
 
@@ -45,7 +45,7 @@ class CPUDecoderStack:
                 return None
             if a.rotary is not layers[0].self_attn.rotary or layer.input_layernorm.eps != layers[0].input_layernorm.eps:
                 return None
-            params = [p for p in layer.parameters()] + [a.rotary.cos]
+            params = [*layer.parameters(), a.rotary.cos]
             if not cpu_kernels.usable(*params):
                 return None
         return cls(layers)
@@ -57,7 +57,7 @@ class CPUDecoderStack:
                  meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """(h, residual) after the last layer, as the module loop leaves them."""
         groups, tables = [], []
-        for run in _fresh_runs(meta.prefills):
+        for run in fresh_runs(meta.prefills):
             first = run[0]
             groups += [first.q_start, run[-1].q_end, len(run), first.num_cached]
             tables.append(first.block_table if first.num_cached > 0 else _NONE)
