@@ -45,6 +45,10 @@ class PrepackedMatmul:
 
 
 def prepack_model(model: torch.nn.Module) -> None:
+    """Pack every linear weight of the model (again, after the weights changed)."""
     for m in model.modules():
         if isinstance(m, PrepackedMatmul):
             m.prepack()
+    use_cpu_stack = getattr(model, "use_cpu_stack", None)
+    if use_cpu_stack is not None:  # the C++ layer loop holds the packed copies: give it the new ones
+        use_cpu_stack()

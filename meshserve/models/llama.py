@@ -126,13 +126,12 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleDict({str(i): self.make_layer(cfg, i, rotary) for i in self.layer_range})
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if self.is_last else None
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size) if self.is_last else None
-        self.cpu_stack: CPUDecoderStack | None = None  # set by use_cpu_stack once the weights are final
+        self.cpu_stack: CPUDecoderStack | None = None  # set by use_cpu_stack once the weights are packed
 
-    def use_cpu_stack(self) -> bool:
+    def use_cpu_stack(self) -> None:
         """Run the layers through the C++ loop when they qualify (layers/cpu_decoder_stack.py);
-        call after the weights are loaded and packed. Returns whether it is in use."""
+        cpu_gemm.prepack_model calls it once the weights are packed."""
         self.cpu_stack = CPUDecoderStack.build(list(self.layers.values()), get_parallel_state().tp_size)
-        return self.cpu_stack is not None
 
     def make_layer(self, cfg: ModelConfig, layer: int, rotary: RotaryEmbedding) -> nn.Module:
         return LlamaDecoderLayer(cfg, rotary)

@@ -86,8 +86,7 @@ class ModelRunner:
         if self.device.type == "cpu" and self.dtype == torch.float32:
             cpu_kernels.available()  # compile (or load) them now, not during the first request
         prepack_model(self.model)
-        use_cpu_stack = getattr(self.model, "use_cpu_stack", None)
-        if use_cpu_stack is not None and use_cpu_stack() and self.ps.rank == 0:
+        if getattr(self.model, "cpu_stack", None) is not None and self.ps.rank == 0:
             logger.info("decoder layers run as one C++ loop (layers/cpu_decoder_stack.py)")
         self.sampler = Sampler(config.seed, self.device) if self.ps.is_last_stage and self.ps.tp_rank == 0 else None
         attn = next(iter(self.model.layers.values())).self_attn

@@ -67,3 +67,21 @@ def test_layers_it_cannot_run_keep_the_module_path(tmp_path):
 def test_disabled_with_the_cpu_kernels(tmp_path, monkeypatch):
     monkeypatch.setenv("MESHSERVE_DISABLE_CPU_KERNELS", "1")
     assert tiny_runner(tmp_path, block_size=BLOCK).model.cpu_stack is None
+
+
+def test_repacking_after_a_weight_change_reaches_the_stack(tmp_path):
+    from meshserve.layers.cpu_gemm import prepack_model
+
+    runner = tiny_runner(tmp_path, block_size=BLOCK)
+    model = runner.model
+    for layer in model.layers.values():
+        layer.mlp.gate_up_proj.weight.data.mul_(3.0)
+    prepack_model(model)  # new packed copies: the stack must not keep the old ones
+    ids, positions, meta = torch_inputs(pack_step(_steps()[1], BLOCK), BLOCK, torch.device("cpu"))  # 8 rows: packed
+    shape = (2, 8, BLOCK, runner.num_kv_heads, runner.head_dim)
+    outs = []
+    with torch.inference_mode():
+        for stack in (model.cpu_stack, None):
+            model.cpu_stack = stack
+            outs.append(model(ids, positions, [torch.zeros(shape) for _ in model.layers], meta))
+    assert torch.equal(outs[0], outs[1])
