@@ -64,10 +64,7 @@ _print_lock = threading.Lock()
 
 
 def _client_thread(url: str, todo: "queue.Queue[int]") -> None:
-    # A new connection per request: a pooled one that the server closes as it is reused breaks
-    # with no answer although nothing was lost, which would read as a dropped request here.
-    with httpx.Client(base_url=url, timeout=REQUEST_TIMEOUT_S,
-                      limits=httpx.Limits(max_keepalive_connections=0)) as client:
+    with httpx.Client(base_url=url, timeout=REQUEST_TIMEOUT_S) as client:
         while True:
             try:
                 i = todo.get_nowait()
