@@ -13,10 +13,11 @@ same for both engines: a replayed prompt would be a prefix-cache hit, not a pref
     python benchmarks/serving_latency.py --vllm-python /opt/vllm-venv/bin/python
     python benchmarks/serving_latency.py --rates 0.5,1 --no-sweep --meshserve-args "--prefill-chunk-with-decodes 64"
 
-The planner column is `meshserve plan`'s operating point of the embedded model on this machine
-(`meshserve plan --calibrate` constants, measured just before each load unless --calibration-file
-is given: the speed of a shared machine drifts by tens of percent within minutes): its median TTFT
-and its inter-token latency, next to the measured p50 TTFT and TPOT.
+The planner column is `meshserve plan --request-rate R --simulate-requests 32` for the embedded model
+on this machine: the TTFT and TPOT percentiles of its step-by-step simulation of runs like the
+benchmark's, next to the measured ones. Its constants (`meshserve plan --calibrate`) are measured
+just before and just after meshserve's turn at each load and averaged, unless --calibration-file is
+given: a shared machine's speed drifts by 10-20% from one ten-second calibration to the next.
 """
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ from meshserve.bench.config import BenchConfig, DatasetConfig, LoadConfig, parse
 from meshserve.bench.launch import LaunchedServer, free_port
 from meshserve.bench.runner import Benchmark
 from meshserve.bench.sweep import SweepConfig, run_sweep
+from meshserve.plan.calibrate import average_calibrations
 
 SERVED_NAME = "smollm2"
 
@@ -76,7 +78,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def engines(a: argparse.Namespace, model_dir: str) -> list[Engine]:
-    max_len = str(max(1024, a.input_len + a.output_len + 64))
+    max_len = str(max_model_len(a))
     serve = [sys.executable, "-m", "meshserve", "serve", model_dir, "--served-model-name", SERVED_NAME,
              "--max-model-len", max_len, "--log-level", "warning", *shlex.split(a.meshserve_args)]
     found = [Engine("meshserve", serve)]
@@ -106,19 +108,24 @@ def bench_config(a: argparse.Namespace, url: str, num_prompts: int) -> BenchConf
 SWEEP_SEED_OFFSET = 100  # the sweep's prompts: none of the loads' (offsets 0, 1, ...)
 
 
-async def measure(a: argparse.Namespace, found: list[Engine], urls: list[str], plan: dict[float, list[float]]) -> None:
+async def measure(a: argparse.Namespace, found: list[Engine], urls: list[str], planned: dict) -> None:
     rates = parse_csv_floats(a.rates, "--rates")
     loads = [(rate, a.num_prompts) for rate in rates] + ([(math.inf, a.burst_prompts)] if a.burst_prompts else [])
     for i, (rate, count) in enumerate(loads):
-        if math.isfinite(rate):
-            plan[rate] = list(planner_point(a, rate))
         turns = list(zip(found, urls))
         for engine, url in turns if i % 2 == 0 else turns[::-1]:
+            # The planner's constants: measured just before and just after meshserve's turn at the
+            # load and averaged, since a shared machine's speed drifts within a minute.
+            plan_it = engine is found[0] and math.isfinite(rate)
+            before = planner_calibration(a) if plan_it else None
             async with Benchmark(bench_config(a, url, count)) as bench:
                 result = await bench.run(await bench.load_requests(seed_offset=i), LoadConfig(request_rate=rate),
                                          label=f"{engine.name} {rate:g} req/s")
             result.pop("per_request", None)
             engine.rows.append({"rate": rate, **result})
+            if plan_it:
+                cals = [before] if a.calibration_file else [before, planner_calibration(a)]
+                planned[rate] = planner_point(a, rate, average_calibrations(cals))
             print(f"  {engine.name} at {rate:g} req/s: {summary(result)} (load average {os.getloadavg()[0]:.1f})",
                   file=sys.stderr, flush=True)
     if a.no_sweep:
@@ -139,7 +146,7 @@ def summary(r: dict) -> str:
             f"goodput {r.get('request_goodput', 0):.2f} req/s")
 
 
-def run_engines(a: argparse.Namespace, found: list[Engine], plan: dict[float, list[float]]) -> None:
+def run_engines(a: argparse.Namespace, found: list[Engine], planned: dict) -> None:
     with contextlib.ExitStack() as stack:
         servers = []
         for engine in found:
@@ -153,45 +160,47 @@ def run_engines(a: argparse.Namespace, found: list[Engine], plan: dict[float, li
             servers.append(stack.enter_context(server))
         for server in servers:
             server.wait_healthy_sync(900)
-        asyncio.run(measure(a, found, [server.url for server in servers], plan))
+        asyncio.run(measure(a, found, [server.url for server in servers], planned))
 
 
-def planner_gpu(a: argparse.Namespace):
+def max_model_len(a: argparse.Namespace) -> int:
+    return max(1024, a.input_len + a.output_len + 64)
+
+
+def planner_calibration(a: argparse.Namespace):
     """This machine as the planner sees it: --calibration-file, or `meshserve plan --calibrate`
-    measured now (the machine's speed drifts, so each load measures it just before it runs)."""
+    measured now."""
     from meshserve.plan.calibrate import calibrate, load_calibration
 
     if a.calibration_file:
-        return load_calibration(a.calibration_file).to_gpu_spec()
-    return calibrate(os.path.join(tempfile.mkdtemp(), "calibration.json"))[0].to_gpu_spec()
+        return load_calibration(a.calibration_file)
+    return calibrate(os.path.join(tempfile.mkdtemp(), "calibration.json"))[0]
 
 
-def planner_point(a: argparse.Namespace, rate: float) -> tuple[float, float]:
-    """Planned (median TTFT s, inter-token s) of the embedded model on this machine at `rate`."""
-    from meshserve.config import CPU_DEFAULT_KV_BYTES
+def planner_point(a: argparse.Namespace, rate: float, cal):
+    """`meshserve plan --gpu this-machine --model SmolLM2-135M --weight-dtype fp32 --prompt-len 256
+    --output-len 128 --max-model-len 1024 --request-rate R --simulate-requests 32`: the simulated
+    percentiles of runs like the benchmark's (plan/simulate.py)."""
     from meshserve.plan.catalog import get_model
-    from meshserve.plan.goodput import Workload, operating_point
-    from meshserve.plan.memory import kv_bytes_per_token
-    from meshserve.plan.planner import make_perf_model
+    from meshserve.plan.planner import PlanConfig, plan
 
-    spec = get_model("SmolLM2-135M")
-    perf = make_perf_model(spec, planner_gpu(a), 1, 1, weight_dtype="fp32", kv_dtype="fp32", gpus_per_node=1,
-                           compute_efficiency=1.0)
-    seats = int(CPU_DEFAULT_KV_BYTES // (kv_bytes_per_token(spec, "fp32") * (a.input_len + a.output_len)))
-    op = operating_point(perf, seats, Workload(a.input_len, a.output_len), rate)
-    return op.ttft_p50_s, op.itl_s
+    result = plan(PlanConfig(model=get_model("SmolLM2-135M"), gpu=cal.to_gpu_spec(), weight_dtype="fp32",
+                             max_model_len=max_model_len(a), prompt_len=a.input_len, output_len=a.output_len,
+                             request_rate=rate, simulate_requests=a.num_prompts))
+    return result.recommended.simulated
 
 
-def table(a: argparse.Namespace, found: list[Engine], plan: dict[float, list[float]]) -> str:
+def table(a: argparse.Namespace, found: list[Engine], planned: dict) -> str:
     head = ("| load | engine | output tok/s | TTFT p50 / p95 / p99 ms | TPOT p50 / p95 ms | ITL p95 ms "
-            "| goodput req/s | planner TTFT / TPOT ms |")
+            "| goodput req/s | planner TTFT p50 / p95, TPOT p50 / p95 ms |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for i in range(len(found[0].rows)):
         for engine in found:
             r = engine.rows[i]
             load = "all at once" if math.isinf(r["rate"]) else f"{r['rate']:g} req/s"
-            planned = plan.get(r["rate"]) if engine.name == "meshserve" else None
-            planned_s = f"{planned[0] * 1e3:,.0f} / {planned[1] * 1e3:,.0f}" if planned else ""
+            sim = planned.get(r["rate"]) if engine.name == "meshserve" else None
+            planned_s = (f"{sim.ttft_p50_s * 1e3:,.0f} / {sim.ttft_p95_s * 1e3:,.0f}, "
+                         f"{sim.tpot_p50_s * 1e3:,.0f} / {sim.tpot_p95_s * 1e3:,.0f}") if sim else ""
             lines.append(
                 f"| {load}, {r['completed']} prompts | {engine.name} | {r['output_throughput']:.1f} "
                 f"| {r['median_ttft_ms']:,.0f} / {r['p95_ttft_ms']:,.0f} / {r['p99_ttft_ms']:,.0f} "
@@ -206,12 +215,12 @@ def main(argv=None) -> int:
 
     model_dir = str(resolve_model("default").path)  # the converted HF directory: both engines read it
     found = engines(a, model_dir)
-    plan: dict[float, list[float]] = {}  # rate -> the planner's (TTFT, inter-token) seconds
-    run_engines(a, found, plan)
+    planned: dict = {}  # rate -> the planner's SimulatedLatency
+    run_engines(a, found, planned)
     print(f"\nrandom {a.input_len}-token prompts, {a.output_len} output tokens, ignore_eos; goodput SLO "
           f"TTFT {a.slo_ttft_ms:g} ms / TPOT {a.slo_tpot_ms:g} ms; {os.cpu_count()} cores, load average "
           f"{os.getloadavg()[0]:.1f} at the end\n")
-    print(table(a, found, plan))
+    print(table(a, found, planned))
     if not a.no_sweep:
         best = {e.name: e.sweep["max_load_meeting_slo"] for e in found if e.sweep_it}
         print("\nhighest offered rate meeting the SLO (95% of requests): "
@@ -219,14 +228,17 @@ def main(argv=None) -> int:
         if best.get("vllm") and best.get("meshserve"):
             print(f"meshserve / vllm: {best['meshserve'] / best['vllm']:.2f}x")
     ours = found[0].rows
-    for rate, (ttft, itl) in plan.items():
+    for rate, sim in planned.items():
         row = next(r for r in ours if r["rate"] == rate)
-        print(f"planner at {rate:g} req/s: TTFT {ttft * 1e3:.0f} ms vs measured p50 {row['median_ttft_ms']:.0f} "
-              f"({ttft * 1e3 / row['median_ttft_ms']:.2f}x), TPOT {itl * 1e3:.0f} ms vs "
-              f"{row['median_tpot_ms']:.0f} ({itl * 1e3 / row['median_tpot_ms']:.2f}x)")
+        print(f"planner at {rate:g} req/s: " + ", ".join(
+            f"{name} {p * 1e3:.0f} ms vs measured {row[key]:.0f} ({p * 1e3 / row[key]:.2f}x)"
+            for name, p, key in (("TTFT p50", sim.ttft_p50_s, "median_ttft_ms"),
+                                 ("TTFT p95", sim.ttft_p95_s, "p95_ttft_ms"),
+                                 ("TPOT p50", sim.tpot_p50_s, "median_tpot_ms"),
+                                 ("TPOT p95", sim.tpot_p95_s, "p95_tpot_ms"))))
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"args": vars(a), "planner": {str(k): v for k, v in plan.items()},
+            json.dump({"args": vars(a), "planner": {str(k): dataclasses.asdict(v) for k, v in planned.items()},
                        "engines": [dataclasses.asdict(e) for e in found]}, f, indent=1, default=str)
     return 0
 

@@ -2,11 +2,14 @@
 from __future__ import annotations
 
 import argparse
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 
 _DTYPES = ("float32", "bfloat16", "float16")
 _DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
 CPU_DEFAULT_KV_BYTES = 4 << 30  # like vLLM's CPU backend: 4 GiB unless told otherwise
+# On a CPU a prefill is compute-bound from ~128 rows: more prompt tokens in a step with running
+# decodes buy no throughput, only a longer stall of every stream and of the first prompt's token.
+CPU_PREFILL_CHUNK_WITH_DECODES = 256
 
 
 def _positive_int(name: str, value) -> None:
@@ -29,7 +32,8 @@ class EngineConfig:
     block_size: int = 16
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
-    # While sequences decode, prompts join a step at most this many tokens at a time (None: no cap).
+    # While sequences decode, prompts join a step at most this many tokens at a time (None or 0: no
+    # cap; `meshserve serve` on a CPU: 256 unless set, see serving_defaults).
     prefill_chunk_with_decodes: int | None = None
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float = 0.9
@@ -42,6 +46,7 @@ class EngineConfig:
     distributed_executor_backend: str = "mp"
     profile: bool = False  # print where the step time went (compute vs communication) at shutdown
     profile_dir: str | None = None  # torch.profiler traces of the workers go here when set
+    step_trace: str | None = None  # append one JSON line per engine step here (engine/step_timeline.py)
     enforce_eager: bool = False  # CUDA: no CUDA graphs for decode steps (every step runs eagerly)
     extra: dict = field(default_factory=dict, repr=False)
 
@@ -57,9 +62,12 @@ class EngineConfig:
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         for name in ("max_num_seqs", "block_size", "tensor_parallel_size", "pipeline_parallel_size"):
             _positive_int(name, getattr(self, name))
-        for name in ("max_model_len", "max_num_batched_tokens", "kv_cache_memory_bytes", "prefill_chunk_with_decodes"):
+        for name in ("max_model_len", "max_num_batched_tokens", "kv_cache_memory_bytes"):
             if getattr(self, name) is not None:
                 _positive_int(name, getattr(self, name))
+        cap = self.prefill_chunk_with_decodes
+        if cap is not None and (not isinstance(cap, int) or isinstance(cap, bool) or cap < 0):
+            raise ValueError(f"prefill_chunk_with_decodes must be a token count >= 0 (0: no cap), got {cap!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         if self.distributed_executor_backend not in ("mp", "ray", "uni"):
@@ -91,6 +99,14 @@ class EngineConfig:
         device = self.resolved_device()
         name, why = auto_dtype(device.type, device.type == "cuda" and _cuda_bf16_supported(device))
         return getattr(torch, name), why
+
+    def serving_defaults(self) -> "EngineConfig":
+        """A served engine's defaults where the setting is left open: on a CPU, prompts join
+        running decodes at most CPU_PREFILL_CHUNK_WITH_DECODES tokens at a time (a GPU's prefill
+        gains from larger batches, and an offline batch from fewer, fuller steps: no cap there)."""
+        if self.prefill_chunk_with_decodes is None and self.resolved_device().type == "cpu":
+            return replace(self, prefill_chunk_with_decodes=CPU_PREFILL_CHUNK_WITH_DECODES)
+        return self
 
     def batched_token_budget(self, max_model_len: int) -> int:
         """Tokens one step may compute: max_num_batched_tokens, or 2048 (with chunked prefill) /
@@ -127,8 +143,9 @@ class EngineConfig:
         g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
         g.add_argument("--prefill-chunk-with-decodes", type=int, default=None, metavar="N",
                        help="while sequences decode, new prompts join a step at most N tokens at a time "
-                            "(lower inter-token latency for running streams, a little later first tokens "
-                            "for new ones; default: no cap)")
+                            "(lower inter-token latency for running streams, later first tokens for long "
+                            f"prompts; 0: no cap; default: `serve` on a CPU {CPU_PREFILL_CHUNK_WITH_DECODES}, "
+                            "otherwise no cap)")
         g.add_argument("--kv-cache-memory", dest="kv_cache_memory_bytes", type=_parse_bytes, default=None,
                        metavar="BYTES", help="KV cache budget per rank, e.g. 2GiB or 500000000")
         g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
@@ -144,6 +161,9 @@ class EngineConfig:
                        help="at shutdown, print per-rank compute vs communication time (all-reduce, send/recv)")
         g.add_argument("--profile-dir", default=None,
                        help="also write a torch.profiler trace per worker and the summary table here")
+        g.add_argument("--step-trace", default=None, metavar="FILE",
+                       help="append one JSON line per engine step to FILE: start time, prompt tokens, "
+                            "sequences decoding, context tokens and the time of each phase")
         g.add_argument("--enforce-eager", action="store_true",
                        help="CUDA: run every step eagerly instead of replaying CUDA graphs for decode steps")
 

@@ -92,7 +92,7 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching,
                                           extra_hash_key=self.source.revision)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, self.max_num_batched_tokens,
-                                   config.enable_chunked_prefill, config.prefill_chunk_with_decodes)
+                                   config.enable_chunked_prefill, config.prefill_chunk_with_decodes or None)
         self.requests: dict[str, RequestState] = {}
         self.seq_to_request: dict[int, RequestState] = {}
         self._finished_seq_ids: list[int] = []
@@ -100,7 +100,7 @@ class LLMEngine:
         self.num_generation_tokens = 0
         self.last_step_compute_s = 0.0
         self.last_step_comm_s = 0.0
-        self.timeline = StepTimeline()
+        self.timeline = StepTimeline(config.step_trace)
         kv_tokens = num_blocks * config.block_size
         logger.info("model %s (revision %s): %d blocks x %d tokens = %d KV tokens (%.2f GiB per rank); "
                     "max_model_len %d, so at most %.2fx concurrency at full length",
@@ -211,7 +211,8 @@ class LLMEngine:
         deltas = self._update(sched, result.sampled)
         sample_s = max((t.sample_s for t in result.rank_timings), default=0.0)
         self.timeline.record({"schedule": t1 - t0, "prepare": t2 - t1, "forward": t3 - t2 - sample_s,
-                              "sample": sample_s, "output": time.perf_counter() - t3})
+                              "sample": sample_s, "output": time.perf_counter() - t3},
+                             now, _step_shape(sched) if self.config.step_trace else None)
         return deltas
 
     def _fail_step(self, sched: SchedulerOutput, exc: Exception) -> list[RequestDelta]:
@@ -367,4 +368,13 @@ class LLMEngine:
     def shutdown(self) -> None:
         if self.config.profile and self.timeline.steps:
             print(self.timeline.table(), file=sys.stderr)
+        self.timeline.close()
         self.executor.shutdown()
+
+
+def _step_shape(sched: SchedulerOutput) -> dict[str, int]:
+    """What a step computed: prompt tokens, sequences decoding one token, context tokens attended."""
+    prompt = [i for i in sched.scheduled if i.start < i.seq.num_prompt_tokens]
+    return {"prompt_tokens": sum(i.num_tokens for i in prompt), "prompts": len(prompt),
+            "decodes": len(sched.scheduled) - len(prompt),
+            "context": sum(i.start + i.num_tokens for i in sched.scheduled)}

@@ -4,23 +4,39 @@ ranks' model pass, with their communication and the engine<->rank transport), sa
 
 The engine records each step's phases; the last step's go out with the engine stats (the server
 observes them in `meshserve:engine_step_phase_seconds{phase}`) and totals make the `--profile` table.
+With `--step-trace FILE` every step is also appended to FILE as one JSON line: when it started (the
+monotonic clock), its shape (prompt tokens computed, sequences decoding, context tokens attended) and
+its phases, so that a served step can be set beside the same step offline or the planner's model.
 """
 from __future__ import annotations
+
+import json
+from typing import IO
 
 PHASES = ("schedule", "prepare", "forward", "sample", "output", "ipc")
 
 
 class StepTimeline:
-    def __init__(self) -> None:
+    def __init__(self, trace_path: str | None = None) -> None:
         self.last: dict[str, float] = {}
         self.totals = dict.fromkeys(PHASES, 0.0)
         self.steps = 0
+        # Line-buffered: a trace of a server that is killed keeps every step it finished.
+        self._trace: IO[str] | None = open(trace_path, "a", buffering=1) if trace_path else None
 
-    def record(self, phases: dict[str, float]) -> None:
+    def record(self, phases: dict[str, float], start: float = 0.0, shape: dict[str, int] | None = None) -> None:
         self.last = phases
         self.steps += 1
         for phase, seconds in phases.items():
             self.totals[phase] += seconds
+        if self._trace is not None:
+            line = {"t": round(start, 6), **(shape or {}), **{p: round(s, 6) for p, s in phases.items()}}
+            self._trace.write(json.dumps(line) + "\n")
+
+    def close(self) -> None:
+        if self._trace is not None:
+            self._trace.close()
+            self._trace = None
 
     def add(self, phase: str, seconds: float) -> None:
         """A phase measured after its step was recorded (ipc: the step's message goes out last)."""

@@ -87,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
         max_prompts_per_request=args.max_prompts_per_request, max_engine_restarts=args.max_engine_restarts,
         engine_restart_window=args.engine_restart_window,
         data_parallel_size=args.data_parallel_size, log_level=args.log_level)
-    engine_config = EngineConfig.from_cli_args(args)  # takes served_model_name too
+    engine_config = EngineConfig.from_cli_args(args).serving_defaults()  # takes served_model_name too
     return run_server(engine_config, server_config)
 
 

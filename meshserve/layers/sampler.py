@@ -1,8 +1,11 @@
 """Sampler: penalties, temperature, top-k / top-p / min-p and logprobs for a whole batch at once.
 
-Rows with a seed draw their noise from their own generator, so a seeded request samples the same
-tokens whatever else shares its batch; other rows share the engine's generator.
-Sampling uses the exponential race: argmax(p_i / e_i) with e_i ~ Exp(1) draws i with probability p_i.
+Rows with a seed draw from their own generator, so a seeded request samples the same tokens
+whatever else shares its batch; other rows share the engine's generator.
+Sampling inverts the CDF: one uniform u per row, and the first token whose cumulative probability
+exceeds u x the total. That is exact, and it costs a cumulative sum where drawing noise for the
+whole vocabulary (the exponential race) cost ~1.3 ms a row on a CPU, more than the sampled row's
+share of the LM head.
 
 On a GPU a step must not wait on the device before its tokens are read: decisions are taken from
 the request parameters on the host, per-row parameters and penalty indices travel in one copy
@@ -98,16 +101,25 @@ class Sampler:
             self.seq_generators.pop(s, None)
         self.penalties.forget(seq_ids)
 
-    def _noise(self, b: int, v: int, seq_ids: list[int], params: list[SamplingParams], seed_keys: list[int]):
-        noise = torch.empty(b, v, device=self.device).exponential_(generator=self.generator)
+    def _uniforms(self, b: int, seq_ids: list[int], params: list[SamplingParams], seed_keys: list[int]):
+        u = torch.rand(b, 1, generator=self.generator, device=self.device, dtype=torch.float64)
         for r, (sid, p) in enumerate(zip(seq_ids, params)):
             if p.seed is not None and not p.greedy:
                 g = self.seq_generators.get(sid)
                 if g is None:
                     g = torch.Generator(device=self.device).manual_seed(seed_keys[r])
                     self.seq_generators[sid] = g
-                noise[r].exponential_(generator=g)
-        return noise
+                u[r] = torch.rand(1, generator=g, device=self.device, dtype=torch.float64)
+        return u
+
+    def _draw(self, probs: torch.Tensor, seq_ids: list[int], params: list[SamplingParams],
+              seed_keys: list[int]) -> torch.Tensor:
+        """Per row, the first token whose cumulative probability exceeds u x the row's total: a
+        token of probability 0 is never drawn (its cumulative sum equals its predecessor's)."""
+        cdf = probs.double().cumsum_(dim=-1)  # in place: 2x faster than a new tensor on a CPU
+        u = self._uniforms(probs.shape[0], seq_ids, params, seed_keys)
+        picked = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(1)
+        return picked.clamp_(max=probs.shape[1] - 1)
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, seq_ids: list[int], params: list[SamplingParams],
@@ -124,8 +136,9 @@ class Sampler:
             if new:
                 self.penalties.load(new, v)
             logits = _penalize(logits, params, *self.penalties.batch(seq_ids, v))
-        tokens = logits.argmax(dim=-1)
-        if not all(p.greedy for p in params):  # decided on the host: no device sync
+        greedy = [p.greedy for p in params]
+        tokens = logits.argmax(dim=-1) if any(greedy) else None
+        if not all(greedy):  # decided on the host: no device sync
             top_k = [p.top_k if p.top_k > 0 else v for p in params]
             # Per row: temperature, greedy, top_k, top_p, min_p (one copy for the whole batch).
             rows = to_device([[1.0 if p.greedy else p.temperature, float(p.greedy), k, p.top_p, p.min_p]
@@ -133,8 +146,8 @@ class Sampler:
             filtered = not (all(k >= v for k in top_k) and all(p.top_p >= 1.0 for p in params)
                             and all(p.min_p <= 0 for p in params))
             probs = self._filtered_probs(logits / rows[:, 0:1], rows, filtered)
-            sampled = (probs / self._noise(b, v, seq_ids, params, seed_keys)).argmax(dim=-1)
-            tokens = torch.where(rows[:, 1] > 0, tokens, sampled)
+            sampled = self._draw(probs, seq_ids, params, seed_keys)
+            tokens = sampled if tokens is None else torch.where(rows[:, 1] > 0, tokens, sampled)
         if raw_logprobs is None:
             out = SamplerOutput(tokens.tolist(), [None] * b)  # the step's one device-to-host read
         else:

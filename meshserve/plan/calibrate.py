@@ -1,9 +1,11 @@
 """`meshserve plan --calibrate`: measure this machine and cache the constants.
 
-Three measurements, a few seconds in all:
-* matmul FLOP/s: best of a few n x n matmuls (bf16 on a GPU, fp32 on a CPU), 2 n^3 FLOPs each;
-* memory bandwidth: best of a few copies of a buffer far larger than the caches, counting the
-  bytes read and the bytes written;
+About ten seconds of measurements, each the median of repeated calls (see _typical_time):
+* matmul FLOP/s: n x n matmuls (bf16 on a GPU, fp32 on a CPU), 2 n^3 FLOPs each;
+* memory bandwidth: copies of a buffer far larger than the caches, counting the bytes read and
+  the bytes written;
+* the linear-layer profile (seconds per weight byte by row count), causal attention FLOP/s, the
+  host time of a kernel call, and on a CPU the engine's own per-step and per-layer costs;
 * all-reduce between 2 local processes (torch.distributed, gloo): the ring model for N = 2 is
   t(S) = 2 alpha + S / beta, so a 4-byte all-reduce gives alpha and a 4 MiB one gives beta.
 Times are wall-clock by default. On a CPU shared with other work, `cpu_time=True` (with one
@@ -21,9 +23,9 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 from meshserve.utils.paths import cache_dir
 
@@ -72,8 +74,29 @@ class Calibration:
             gemm_profile=tuple((int(r), float(t)) for r, t in self.gemm_profile or ()),
             attention_flops=self.attention_flops, op_overhead_s=self.op_overhead_s or 0.0,
             step_overhead_s=self.step_overhead_s, layer_overhead_s=self.layer_overhead_s,
+            is_cpu=self.device == "cpu",
             notes=f"measured on {self.device} ({self.matmul_dtype} matmul, {self.threads} threads) "
                   f"at {self.measured_at}")
+
+
+_RATES = ("matmul_flops", "memory_bandwidth", "allreduce_bandwidth", "attention_flops")
+_TIMES = ("allreduce_latency_s", "op_overhead_s", "step_overhead_s", "layer_overhead_s")
+
+
+def average_calibrations(cals: Sequence[Calibration]) -> Calibration:
+    """One calibration from several of the same machine (before and after a load, say): the time
+    per unit of work is averaged, so rates take their harmonic mean."""
+    def mean(values: list, rate: bool) -> float | None:
+        if any(v is None for v in values):
+            return None
+        return len(values) / sum(1 / v for v in values) if rate else sum(values) / len(values)
+
+    profiles = [c.gemm_profile for c in cals]
+    profile = None
+    if all(profiles) and len({tuple(r for r, _ in p) for p in profiles}) == 1:
+        profile = [[rows, mean([p[i][1] for p in profiles], False)] for i, (rows, _) in enumerate(profiles[0])]
+    return replace(cals[0], gemm_profile=profile,
+                   **{n: mean([getattr(c, n) for c in cals], n in _RATES) for n in _RATES + _TIMES})
 
 
 def default_calibration_path() -> Path:
@@ -105,17 +128,26 @@ def load_calibration(path: str | Path | None = None) -> Calibration:
 Clock = Callable[[], float]
 
 
-def _best_time(fn: Callable[[], object], repeats: int, sync: Callable[[], None],
-               clock: Clock) -> float:
+# Each measurement is the median over at least this many seconds of calls: a shared CPU's speed
+# swings by 20% from one second to the next, and a few calls (a fraction of a second) catch one swing.
+MIN_SECONDS = 0.5
+MAX_REPEATS = 1000
+
+
+def _typical_time(fn: Callable[[], object], repeats: int, sync: Callable[[], None],
+                  clock: Clock, min_seconds: float = MIN_SECONDS) -> float:
+    """Median of at least `repeats` timed calls, and of at least `min_seconds` of them, after one
+    untimed: a served engine runs at its typical speed, not its best (the best of a few calls on a
+    shared CPU is 10-15% faster)."""
     fn()
     sync()
-    best = float("inf")
-    for _ in range(repeats):
+    times: list[float] = []
+    while len(times) < repeats or (sum(times) < min_seconds and len(times) < MAX_REPEATS):
         start = clock()
         fn()
         sync()
-        best = min(best, clock() - start)
-    return best
+        times.append(clock() - start)
+    return statistics.median(times)
 
 
 def measure_matmul_flops(device: str, dtype, n: int = 1024, repeats: int = 5,
@@ -124,7 +156,7 @@ def measure_matmul_flops(device: str, dtype, n: int = 1024, repeats: int = 5,
 
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
-    return 2 * n**3 / _best_time(lambda: a @ b, repeats, _sync(device), clock)
+    return 2 * n**3 / _typical_time(lambda: a @ b, repeats, _sync(device), clock)
 
 
 def measure_memory_bandwidth(device: str, nbytes: int = 128 * 2**20, repeats: int = 5,
@@ -133,7 +165,7 @@ def measure_memory_bandwidth(device: str, nbytes: int = 128 * 2**20, repeats: in
 
     src = torch.ones(nbytes // 4, device=device, dtype=torch.float32)
     dst = torch.empty_like(src)
-    return 2 * nbytes / _best_time(lambda: dst.copy_(src), repeats, _sync(device), clock)
+    return 2 * nbytes / _typical_time(lambda: dst.copy_(src), repeats, _sync(device), clock)
 
 
 GEMM_PROFILE_ROWS = (1, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
@@ -163,7 +195,7 @@ def streamed_bytes(device: str, floor: int) -> int:
 
 
 def measure_gemm_profile(device: str, dtype, repeats: int = 5, clock: Clock = time.perf_counter,
-                         rows: tuple[int, ...] = GEMM_PROFILE_ROWS) -> list[list[float]]:
+                         rows: tuple[int, ...] = GEMM_PROFILE_ROWS, gemm_seconds: float = 4.0) -> list[list[float]]:
     """Seconds per weight byte of `rows` x K @ (K x N) through the engine's linear layer (on a CPU,
     float32 weights packed once for oneDNN, as the engine runs them). Few rows stream weights
     larger than the caches, as a model's layers are."""
@@ -179,14 +211,26 @@ def measure_gemm_profile(device: str, dtype, repeats: int = 5, clock: Clock = ti
         layer.weight.data.normal_()
         layer.prepack()
         layers.append(layer)
-    profile = []
+    inputs = {m: torch.randn(m, _GEMM_SHAPE[1], device=device, dtype=dtype) for m in rows}
+    timed: dict[int, list[float]] = {m: [] for m in rows}
+    sync = _sync(device)
+
+    def calls(m: int) -> list:
+        return layers if m < _COMPUTE_BOUND_ROWS else layers[:4]
+
     with torch.inference_mode():
         for m in rows:
-            used = layers if m < _COMPUTE_BOUND_ROWS else layers[:4]
-            x = torch.randn(m, _GEMM_SHAPE[1], device=device, dtype=dtype)
-            t = _best_time(lambda: [layer(x) for layer in used], repeats, _sync(device), clock)
-            profile.append([m, t / (len(used) * matrix_bytes)])
-    return profile
+            [layer(inputs[m]) for layer in calls(m)]
+        # Rounds over all the row counts, so that a slow spell of a shared machine falls on every
+        # count alike instead of bending the profile at the one it hit.
+        while len(timed[rows[0]]) < repeats or (sum(map(sum, timed.values())) < gemm_seconds
+                                                and len(timed[rows[0]]) < MAX_REPEATS):
+            for m in rows:
+                start = clock()
+                [layer(inputs[m]) for layer in calls(m)]
+                sync()
+                timed[m].append(clock() - start)
+    return [[m, statistics.median(timed[m]) / (len(calls(m)) * matrix_bytes)] for m in rows]
 
 
 def measure_attention_flops(device: str, dtype, tokens: int = 512, heads: int = 8, head_dim: int = 64,
@@ -198,7 +242,7 @@ def measure_attention_flops(device: str, dtype, tokens: int = 512, heads: int = 
     q, k, v = (torch.randn(1, heads, tokens, head_dim, device=device, dtype=dtype) for _ in range(3))
     flops = 2 * 2 * head_dim * heads * tokens * (tokens + 1) / 2
     with torch.inference_mode():
-        return flops / _best_time(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+        return flops / _typical_time(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True),
                                   repeats, _sync(device), clock)
 
 
@@ -212,7 +256,7 @@ def measure_op_overhead(device: str, ops: int = 200, repeats: int = 5, clock: Cl
         for _ in range(ops):
             x.mul_(1.0)
 
-    return _best_time(chain, repeats, _sync(device), clock) / ops
+    return _typical_time(chain, repeats, _sync(device), clock) / ops
 
 
 # Wide enough for the engine's kernels, too narrow for its matmuls and attention to cost anything.
@@ -255,7 +299,7 @@ def measure_engine_overheads(repeats: int = 10, clock: Clock = time.perf_counter
                     hidden, rows = runner.forward(decode)
                     runner.sample(decode, hidden[rows])
 
-                times.append(_best_time(step, repeats, lambda: None, clock))
+                times.append(_typical_time(step, repeats, lambda: None, clock))
     finally:
         set_parallel_state(previous)
     per_layer = max(0.0, (times[1] - times[0]) / (layer_counts[1] - layer_counts[0]))

@@ -46,7 +46,15 @@ def register(subparsers) -> None:
     a("--kv-transfer-overhead-ms", type=float, default=5.0, help="fixed hand-off overhead")
     a("--slo-ttft-ms", type=float, help="time-to-first-token target")
     a("--slo-itl-ms", type=float, help="inter-token latency target")
-    a("--request-rate", type=float, help="offered load, requests/s, for the whole deployment")
+    a("--request-rate", type=float, help="offered load, requests/s, for the whole deployment; the "
+      "recommended layout's TTFT and TPOT percentiles at it are simulated step by step")
+    a("--simulate-requests", type=int, default=200,
+      help="requests per simulated run at --request-rate (default 200; the median of 16 runs is shown)")
+    a("--max-num-batched-tokens", type=int, default=2048,
+      help="the simulated engine's token budget per step, as `meshserve serve` takes it (default 2048)")
+    a("--prefill-chunk-with-decodes", type=int, default=None, metavar="N",
+      help="the simulated engine's cap on prompt tokens joining a step with decodes, as `meshserve serve` "
+           "takes it (0: none; default: the engine's, 256 on a calibrated CPU, none on a GPU)")
     a("--compute-efficiency", type=float,
       help="achievable fraction of peak FLOP/s (default 0.7, 1.0 when measured)")
     a("--bandwidth-efficiency", type=float, default=1.0,
@@ -127,7 +135,9 @@ def run(args: argparse.Namespace) -> int:
         kv_transfer_overhead_ms=args.kv_transfer_overhead_ms, slo_ttft_ms=args.slo_ttft_ms,
         slo_itl_ms=args.slo_itl_ms, request_rate=args.request_rate,
         compute_efficiency=args.compute_efficiency, bandwidth_efficiency=args.bandwidth_efficiency,
-        enable_expert_parallel=args.enable_expert_parallel, moe_load_max_to_mean=args.moe_load_max_to_mean))
+        enable_expert_parallel=args.enable_expert_parallel, moe_load_max_to_mean=args.moe_load_max_to_mean,
+        simulate_requests=args.simulate_requests, max_num_batched_tokens=args.max_num_batched_tokens,
+        prefill_chunk_with_decodes=args.prefill_chunk_with_decodes))
     print(json.dumps(to_dict(result), indent=2) if args.json else format_report(result))
     if args.plot:
         write_plot(result, args.plot)

@@ -18,6 +18,8 @@ A fluid model, stated so it can be argued with:
 * A request meets the SLO when TTFT <= slo_ttft and ITL <= slo_itl; the model is deterministic,
   so below capacity all requests do and goodput = rate; above it, goodput = capacity.
 rho is capped at MAX_PREFILL_UTILIZATION: queues beyond that are not a plan.
+It is quick enough to search every layout for its capacity; the percentiles a benchmark reports at
+one rate come from replaying the scheduler step by step (simulate.py).
 """
 from __future__ import annotations
 

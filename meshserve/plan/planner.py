@@ -4,10 +4,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
+from meshserve.config import CPU_PREFILL_CHUNK_WITH_DECODES
+
 from .goodput import OperatingPoint, Workload, operating_point, slo_capacity
 from .layouts import Layout, enumerate_layouts, structural_check
 from .memory import MemoryEstimate, estimate_memory, shard_stages
 from .params import model_params
+from .simulate import SimulatedLatency, simulate
 from .specs import GPUSpec, ModelSpec
 from .timing import PerfModel, kv_handoff_time, links_for
 from .units import GB, GiB, activation_bytes, dtype_bytes, resolve_kv_dtype
@@ -43,6 +46,11 @@ class PlanConfig:
     bandwidth_efficiency: float = 1.0
     enable_expert_parallel: bool | None = None  # MoE: None ranks layouts with and without EP
     moe_load_max_to_mean: float | None = None  # measured busiest EP rank's load; None: uniform routing
+    simulate_requests: int = 200  # requests per simulated run at --request-rate (simulate.py)
+    # The engine's scheduling knobs the simulation replays, as `meshserve serve` takes them (the
+    # chunk cap: None for the engine's default on the device, 0 for none).
+    max_num_batched_tokens: int = 2048
+    prefill_chunk_with_decodes: int | None = None
     notes: list[str] = field(default_factory=list)
 
     def validate(self) -> "PlanConfig":
@@ -83,6 +91,14 @@ class PlanConfig:
                             ("--request-rate", self.request_rate)):
             if value is not None:
                 _positive(flag, value)
+        if self.simulate_requests < 2:
+            raise ValueError(f"--simulate-requests must be >= 2, got {self.simulate_requests}")
+        _positive("--max-num-batched-tokens", self.max_num_batched_tokens)
+        if self.prefill_chunk_with_decodes is None:
+            self.prefill_chunk_with_decodes = CPU_PREFILL_CHUNK_WITH_DECODES if self.gpu.is_cpu else 0
+        if self.prefill_chunk_with_decodes < 0:
+            raise ValueError(f"--prefill-chunk-with-decodes must be >= 0 (0: no cap), got "
+                             f"{self.prefill_chunk_with_decodes}")
         if self.kv_transfer_overhead_ms < 0:
             raise ValueError(f"--kv-transfer-overhead-ms must be >= 0, got "
                              f"{self.kv_transfer_overhead_ms}")
@@ -123,6 +139,8 @@ class LayoutPlan:
     capacity_rps: float = 0.0           # whole deployment, within the SLO
     goodput_rps: float = 0.0
     rank: int | None = None
+    simulated: SimulatedLatency | None = None  # percentiles at --request-rate (the recommended layout)
+    perf: PerfModel | None = field(default=None, repr=False)
 
     @property
     def valid(self) -> bool:
@@ -203,6 +221,7 @@ def evaluate(cfg: PlanConfig, layout: Layout) -> LayoutPlan:
                            bandwidth_efficiency=cfg.bandwidth_efficiency, dp=layout.dp, ep=layout.ep,
                            moe_load_max_to_mean=cfg.moe_load_max_to_mean)
     work = cfg.workload
+    plan.perf = perf
     plan.decode_batch1_s = perf.decode_step_time(1, work.prompt_len + work.output_len / 2)
     plan.decode_batch1_parts = max((perf.decode_stage_parts(st, 1, work.prompt_len + work.output_len / 2)
                                     for st in perf.stages), key=lambda parts: sum(parts.values()))
@@ -259,4 +278,11 @@ def plan(cfg: PlanConfig) -> PlanResult:
         p.rank = i
     ordered = valid + [p for p in plans if not p.valid]
     decision = decide({p.layout: p for p in plans}, cfg.num_gpus, cfg.gpus_per_node)
+    best = valid[0] if valid else None
+    if cfg.request_rate and best and best.operating.stable:
+        # Percentiles need the scheduler replayed step by step: only for the layout recommended.
+        best.simulated = simulate(best.perf, cfg.workload, best.operating.rate,
+                                  max_seqs=best.memory.seqs_of(cfg.prompt_len + cfg.output_len),
+                                  num_requests=cfg.simulate_requests, token_budget=cfg.max_num_batched_tokens,
+                                  prefill_chunk_with_decodes=cfg.prefill_chunk_with_decodes or None)
     return PlanResult(cfg, ordered, decision)

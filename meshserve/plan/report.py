@@ -101,6 +101,16 @@ def format_report(result: PlanResult) -> str:
                            "ITL ms", "TTFT ms", "TTFT p50",
                            "tok/s/user", "tok/s/replica", "KV hand-off ms", "SLO cap req/s",
                            "goodput req/s", "limit"], time_rows))
+    c = result.config
+    knobs = f"{c.max_num_batched_tokens:,} tokens a step" + (
+        f", prompts join decodes {c.prefill_chunk_with_decodes:,} tokens at a time" if c.prefill_chunk_with_decodes else "")
+    for p in (p for p in shown if p.simulated):
+        sim = p.simulated
+        out += ["", f"Simulated at {sim.rate:g} req/s per replica ({p.layout.name}; median of {sim.runs} runs "
+                    f"of {sim.num_requests} Poisson requests through the engine's scheduler, {knobs})",
+                f"  TTFT p50 / p95 {_ms(sim.ttft_p50_s)} / {_ms(sim.ttft_p95_s)} ms, "
+                f"TPOT p50 / p95 {_ms(sim.tpot_p50_s)} / {_ms(sim.tpot_p95_s)} ms, "
+                f"{sim.mean_running:,.1f} sequences per step"]
     notes = [f"  {p.layout.name}: {why}" for p in shown for why in p.reasons + p.flags]
     if notes:
         out += ["", "Rejected / flagged"] + notes
@@ -148,6 +158,11 @@ def _layout_dict(p: LayoutPlan) -> dict:
             "tokens_per_s_per_replica": op.tokens_per_s, "meets_slo": op.meets_slo,
             "limit": op.limit},
         "slo_capacity_rps": p.capacity_rps, "goodput_rps": p.goodput_rps,
+        "simulated": None if not p.simulated else {
+            "request_rate_per_replica": p.simulated.rate, "requests_per_run": p.simulated.num_requests,
+            "runs": p.simulated.runs, "ttft_p50_ms": p.simulated.ttft_p50_s * 1e3,
+            "ttft_p95_ms": p.simulated.ttft_p95_s * 1e3, "tpot_p50_ms": p.simulated.tpot_p50_s * 1e3,
+            "tpot_p95_ms": p.simulated.tpot_p95_s * 1e3, "mean_running": p.simulated.mean_running},
     }
 
 

@@ -115,6 +115,7 @@ class GPUSpec:
     op_overhead_s: float = 0.0
     step_overhead_s: float | None = None  # the engine's own fixed costs (CPU calibration)
     layer_overhead_s: float | None = None
+    is_cpu: bool = False  # a calibrated CPU: the engine's CPU defaults apply
 
     def __post_init__(self) -> None:
         for field in ("memory_bytes", "hbm_bandwidth", "bf16_flops", "fp32_flops",

@@ -271,14 +271,30 @@ class PerfModel:
     def decode_step_time(self, batch: float, context: float) -> float:
         return self.decode_step(batch, context)[0]
 
+    def mixed_stage_time(self, stage: StageShard, prompt_tokens: int, prompt_pairs: float, sampled: int,
+                         decodes: int, decode_context: float) -> float:
+        """One stage of a step that computes `prompt_tokens` prompt tokens (`prompt_pairs` causal
+        query-key pairs) and the next token of `decodes` sequences over `decode_context` cached
+        tokens in all; logits for the `sampled` rows (decodes and prompts that end in the step)."""
+        tokens = prompt_tokens + decodes
+        return (self._phases(stage, tokens, prompt_pairs + decode_context, sampled, prompt_tokens + decode_context)
+                + self._allreduces(stage, tokens) + sum(self._expert_exchange(stage, tokens)))
+
+    def mixed_step_time(self, prompt_tokens: int, prompt_pairs: float, sampled: int, decodes: int,
+                        decode_context: float) -> float:
+        """An engine step as the scheduler builds it (prompts and decodes in one batch), as one
+        micro-batch through all stages."""
+        total = self._stage_times(self.mixed_stage_time, prompt_tokens, prompt_pairs, sampled, decodes,
+                                  decode_context)[0]
+        return total + (self.pp - 1) * self._send(prompt_tokens + decodes)
+
     def prefill_stage_time(self, stage: StageShard, tokens: int) -> float:
         # Logits only for the last token; the new cache is written once.
-        return (self._phases(stage, tokens, tokens * (tokens + 1) / 2, 1, tokens)
-                + self._allreduces(stage, tokens) + sum(self._expert_exchange(stage, tokens)))
+        return self.mixed_stage_time(stage, tokens, tokens * (tokens + 1) / 2, 1, 0, 0.0)
 
     def prefill_time(self, tokens: int) -> float:
         """Latency of one prompt: one micro-batch through all stages, (1 + P - 1) stage times."""
-        return self._stage_times(self.prefill_stage_time, tokens)[0] + (self.pp - 1) * self._send(tokens)
+        return self.mixed_step_time(tokens, tokens * (tokens + 1) / 2, 1, 0, 0.0)
 
     def prefill_occupancy(self, tokens: int) -> float:
         """Time the busiest stage spends on one prompt: what limits the prefill rate."""

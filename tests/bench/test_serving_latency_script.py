@@ -14,9 +14,10 @@ def test_latency_table_has_every_load_and_the_planner_column(tmp_path, capsys):
     table = capsys.readouterr().out
     assert "| 4 req/s, 3 prompts | meshserve |" in table
     assert "| all at once, 3 prompts | meshserve |" in table
-    assert "planner at 4 req/s: TTFT" in table
+    assert "planner at 4 req/s: TTFT p50" in table
     doc = json.loads(out.read_text())
     rows = doc["engines"][0]["rows"]
     assert [r["rate"] for r in rows[:1]] == [4.0] and all(r["completed"] == 3 for r in rows)
-    ttft, itl = doc["planner"]["4.0"]
-    assert 0 < itl < ttft < 10
+    sim = doc["planner"]["4.0"]
+    assert sim["num_requests"] == 3
+    assert 0 < sim["ttft_p50_s"] <= sim["ttft_p95_s"] < 10 and 0 < sim["tpot_p50_s"] <= sim["tpot_p95_s"] < 10

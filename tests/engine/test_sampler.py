@@ -90,3 +90,23 @@ def test_rows_without_penalties_share_a_batch_with_penalized_rows():
     out = _penalize(logits.clone(), params, counts, seen)
     assert out[0].tolist() == logits[0].tolist()
     assert out[1].tolist() == [2.0, 1.0, 2.0, 1.0, -1.0]
+
+
+def test_inverse_cdf_draw_never_lands_on_a_zero_probability_token(monkeypatch):
+    s = Sampler(seed=0)
+    probs = torch.tensor([[0.0, 0.0, 0.25, 0.0, 0.75, 0.0]] * 4)
+    edges = torch.tensor([[0.0], [0.25 - 1e-12], [0.25], [1.0 - 1e-12]], dtype=torch.float64)
+    monkeypatch.setattr(s, "_uniforms", lambda b, *args: edges)
+    greedy_free = [SamplingParams(temperature=1.0)] * 4
+    assert s._draw(probs, [0, 1, 2, 3], greedy_free, [0] * 4).tolist() == [2, 2, 4, 4]
+
+
+def test_a_seeded_row_draws_the_same_tokens_whatever_shares_its_batch():
+    logits = torch.zeros(3, 50)  # uniform: every draw is the noise's alone
+    seeded = SamplingParams(temperature=1.0, seed=7)
+    lone, shared = Sampler(seed=1), Sampler(seed=2)
+    others = [SamplingParams(temperature=1.0), SamplingParams(temperature=0)]
+    alone = [lone(logits[:1], [5], [seeded], [7]).token_ids[0] for _ in range(6)]
+    crowd = [shared(logits, [5, 6, 8], [seeded, *others], [7, 0, 0]).token_ids for _ in range(6)]
+    assert [row[0] for row in crowd] == alone and len(set(alone)) > 1
+    assert all(row[2] == 0 for row in crowd)  # the greedy row: the first of equal logits

@@ -115,3 +115,23 @@ def test_calibrate_caches_and_this_machine_reuses_it(capsys, tmp_path):
                             "--model", "SmolLM2-135M", "--weight-dtype", "fp32"])
     assert old["gpu"]["gemm_profile"] in ([], None, ())
     assert old["layouts"][0]["time"]["prefill_ms"] < doc["layouts"][0]["time"]["prefill_ms"]
+
+
+def test_calibrations_average_by_time_per_unit_of_work():
+    from meshserve.plan.calibrate import Calibration, average_calibrations
+
+    def cal(scale, profile=((1, 1e-10), (256, 1e-9))):
+        return Calibration(device="cpu", matmul_dtype="float32", matmul_flops=100e9 / scale,
+                           memory_bandwidth=20e9 / scale, allreduce_latency_s=1e-4 * scale,
+                           allreduce_bandwidth=1e9 / scale, memory_bytes=8 << 30, devices=1, threads=2,
+                           torch_version="x", measured_at="t", attention_flops=70e9 / scale,
+                           op_overhead_s=3e-6 * scale, step_overhead_s=None, layer_overhead_s=5e-5 * scale,
+                           gemm_profile=[[r, t * scale] for r, t in profile])
+
+    both = average_calibrations([cal(1.0), cal(3.0)])   # the second machine state 3x slower
+    assert both.memory_bandwidth == pytest.approx(10e9)          # 1/20e9 and 3/20e9 s per byte: 2/20e9
+    assert both.matmul_flops == pytest.approx(50e9)
+    assert both.layer_overhead_s == pytest.approx(1e-4) and both.op_overhead_s == pytest.approx(6e-6)
+    assert both.gemm_profile == [[1, pytest.approx(2e-10)], [256, pytest.approx(2e-9)]]
+    assert both.step_overhead_s is None                           # not measured in one: not known
+    assert average_calibrations([cal(1.0), cal(1.0, ((1, 1e-10),))]).gemm_profile is None

@@ -129,6 +129,8 @@ def test_metrics_show_where_a_served_step_went(server):
     forward = metric(text, 'meshserve:engine_step_phase_seconds_sum{phase="forward"}')
     schedule = metric(text, 'meshserve:engine_step_phase_seconds_sum{phase="schedule"}')
     assert forward > schedule  # the model pass, not the bookkeeping, is where a CPU step goes
+    # A CPU server's default: prompts join running decodes 256 tokens at a time.
+    assert httpx.get(server.url + "/server_info").json()["engine_config"]["prefill_chunk_with_decodes"] == 256
 
 
 def test_disconnected_clients_leave_kv_usage_at_idle(server):

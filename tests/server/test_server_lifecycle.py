@@ -63,8 +63,8 @@ def test_sigterm_drains_running_requests_then_exits_0(one_seat_server):
         while time.monotonic() < deadline:  # new connections are refused while it drains
             try:
                 httpx.get(s.url + "/health", timeout=1)
-            except (httpx.ConnectError, httpx.RemoteProtocolError):
-                # Refused, or (racing the listener's close) accepted and dropped unanswered.
+            except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError):
+                # Refused, or (racing the listener's close) accepted and dropped unanswered or reset.
                 break
             time.sleep(0.05)
         else:
