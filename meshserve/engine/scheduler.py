@@ -144,12 +144,16 @@ class Scheduler:
     def _prefill_allowance(self) -> int | float:
         """Prompt tokens this step may compute. With a cap set and sequences decoding, prompts join
         the step at most `prefill_chunk_with_decodes` tokens at a time, so that a long prompt is
-        spread over several steps instead of stalling every running stream for one long step."""
+        spread over several steps instead of stalling every running stream for one long step. A
+        backlog of more prompt tokens than one step takes is cleared in full steps: trickling it in
+        would lengthen every queued prompt's wait and the streams would stall as long overall."""
         cap = self.prefill_chunk_with_decodes
         if cap is None or not self.enable_chunked_prefill:
             return float("inf")
-        decoding = any(s.num_tokens - s.num_computed_tokens == 1 for s in self.running)
-        return cap if decoding else float("inf")
+        if not any(s.num_tokens - s.num_computed_tokens == 1 for s in self.running):
+            return float("inf")
+        backlog = sum(s.num_tokens - s.num_computed_tokens for s in self.waiting)
+        return cap if backlog <= self.max_num_batched_tokens else float("inf")
 
     def _preempt(self, seq: Sequence) -> None:
         self.bm.free(seq)

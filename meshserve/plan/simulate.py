@@ -10,7 +10,7 @@ a stated rate the planner replays the engine's policy (engine/scheduler.py) on P
   chunk of a prompt being prefilled), then admits waiting prompts in arrival order while the step's
   token budget lasts and fewer than `max_seqs` sequences run (the KV cache's seats);
 * with `prefill_chunk_with_decodes` set, prompt tokens join a step with decodes at most that many
-  at a time;
+  at a time, unless more prompt tokens wait than one step takes;
 * a step takes PerfModel.mixed_step_time of what it computes; a prompt's first token comes at the
   end of the step that computes its last prompt token, and each later token one step later.
 
@@ -93,7 +93,8 @@ def _run(perf: PerfModel, work: Workload, arrivals: np.ndarray, max_seqs: int, t
             continue
         budget = token_budget
         decoding = any(s.prompt_left == 0 for s in running)
-        prefill_left = chunk_cap if chunk_cap is not None and decoding else math.inf
+        backlog = sum(s.prompt_left for s in waiting)
+        prefill_left = chunk_cap if chunk_cap is not None and decoding and backlog <= token_budget else math.inf
         chunks: list[tuple[_Seq, int]] = []
         decodes, decode_context = [], 0.0
         for s in running:

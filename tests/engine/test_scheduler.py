@@ -116,3 +116,25 @@ def test_prefill_chunks_are_capped_while_sequences_decode():
             s.seq.num_computed_tokens = s.start + s.num_tokens
         first.token_ids.append(7)
     assert chunks == [8, 8, 8, 6]  # the 30-token prompt in chunks of at most 8
+
+
+def test_a_backlog_beyond_one_step_is_admitted_in_full_steps_despite_the_cap():
+    bm = BlockManager(256, 4)
+    sched = Scheduler(bm, max_num_seqs=16, max_num_batched_tokens=64, prefill_chunk_with_decodes=8)
+    first = Sequence("a", 0, list(range(20)), SamplingParams(), 0.0)
+    sched.add(first)
+    sched.schedule()
+    first.num_computed_tokens = 20
+    first.token_ids.append(7)  # it now decodes
+    for i in range(4):  # 4 x 20 = 80 prompt tokens wait: more than the 64 a step takes
+        sched.add(Sequence(f"w{i}", 0, list(range(100 + 20 * i, 120 + 20 * i)), SamplingParams(), 0.0))
+
+    def prompt_tokens() -> int:
+        out = sched.schedule()
+        for s in out.scheduled:
+            s.seq.num_computed_tokens = s.start + s.num_tokens
+        first.token_ids.append(7)
+        return sum(s.num_tokens for s in out.scheduled if s.seq is not first)
+
+    assert prompt_tokens() == 63          # the backlog: a full step (64, one of it the decode)
+    assert prompt_tokens() == 8           # 17 tokens left: the cap again

@@ -50,6 +50,15 @@ def test_the_chunk_cap_spreads_a_prompt_over_steps_with_the_running_decodes():
     assert uncapped < b_ttft
 
 
+def test_a_backlog_beyond_one_step_ignores_the_chunk_cap():
+    # A decodes when B, C, D (300 prompt tokens, more than the 150 a step takes) are waiting: a
+    # full step takes B whole and 49 of C; then only D waits and the cap holds again.
+    _, (b_ttft, _), (c_ttft, _), _ = run([0.0, 0.05, 0.05, 0.05], 100, 10, budget=150, cap=40)
+    assert b_ttft == pytest.approx(0.11 + 0.01 + 0.149 + 0.002 - 0.05)
+    # Then the cap: 40 of C's last 51, then its 11 and 29 of D, each step with A's and B's decodes.
+    assert c_ttft == pytest.approx(b_ttft + 2 * (0.01 + 0.04 + 0.004))
+
+
 def test_the_token_budget_chunks_the_second_of_two_prompts():
     (a_ttft, _), (b_ttft, _) = run([0.0, 0.0], 100, 4, budget=150)
     assert a_ttft == pytest.approx(0.01 + 0.15)                  # A whole and 50 of B
