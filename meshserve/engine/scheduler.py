@@ -152,8 +152,12 @@ class Scheduler:
             return float("inf")
         if not any(s.num_tokens - s.num_computed_tokens == 1 for s in self.running):
             return float("inf")
-        backlog = sum(s.num_tokens - s.num_computed_tokens for s in self.waiting)
-        return cap if backlog <= self.max_num_batched_tokens else float("inf")
+        backlog = 0
+        for seq in self.waiting:  # stops at one step's worth: a long queue costs no more
+            backlog += seq.num_tokens - seq.num_computed_tokens
+            if backlog > self.max_num_batched_tokens:
+                return float("inf")
+        return cap
 
     def _preempt(self, seq: Sequence) -> None:
         self.bm.free(seq)
