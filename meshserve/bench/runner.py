@@ -40,6 +40,7 @@ class Benchmark:
         self.model = config.model or ""
         self._session: aiohttp.ClientSession | None = None
         self._environment: dict | None = None
+        self._tokenizer: PromptTokenizer | None = None
 
     async def __aenter__(self) -> "Benchmark":
         key = self.config.api_key
@@ -88,14 +89,20 @@ class Benchmark:
         return (self.model_entry or {}).get("max_model_len")
 
     async def tokenizer(self) -> PromptTokenizer | None:
-        if self.config.tokenizer:
-            return LocalTokenizer(self.config.tokenizer)
-        tok = ServerTokenizer(self.session, self.config.base_url, self.model)
-        try:
-            await tok.encode("hello")
-        except (RuntimeError, aiohttp.ClientError, KeyError, ValueError):
-            return None  # the dataset loader says why it needs one, if it does
-        return tok
+        """The prompt tokenizer, found once: a sweep asks for one at every point, and a probe
+        of the server's /tokenize right after an overloaded point can fail where the first
+        one did not."""
+        if self._tokenizer is None:
+            if self.config.tokenizer:
+                self._tokenizer = LocalTokenizer(self.config.tokenizer)
+            else:
+                tok = ServerTokenizer(self.session, self.config.base_url, self.model)
+                try:
+                    await tok.encode("hello")
+                except (RuntimeError, aiohttp.ClientError, KeyError, ValueError):
+                    return None  # the dataset loader says why it needs one, if it does
+                self._tokenizer = tok
+        return self._tokenizer
 
     async def load_requests(self, seed_offset: int = 0, count: int | None = None) -> list[BenchRequest]:
         """The dataset's requests; a `seed_offset` draws another set of the same shape, so that a

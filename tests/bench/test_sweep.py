@@ -97,3 +97,34 @@ def test_every_sweep_point_sends_prompts_no_earlier_point_sent():
     assert [p["load"] for p in result["points"]] == [1.0, 2.0, 3.0, 4.0]
     seen = [p for point in bench.sent for p in point]
     assert len(seen) == len(set(seen)) == 4 * 3
+
+
+def test_the_prompt_tokenizer_is_found_once(monkeypatch):
+    """A sweep builds its requests at every point; the server's /tokenize is probed once, so a
+    probe failing right after an overloaded point cannot end the sweep."""
+    import asyncio
+
+    from meshserve.bench import runner
+    from meshserve.bench.config import BenchConfig
+
+    probes = []
+
+    class FlakyServerTokenizer:
+        def __init__(self, *args) -> None:
+            pass
+
+        async def encode(self, text: str) -> list[int]:
+            probes.append(text)
+            if len(probes) > 1:
+                raise RuntimeError("HTTP 503 from /tokenize")
+            return [1]
+
+    monkeypatch.setattr(runner, "ServerTokenizer", FlakyServerTokenizer)
+    bench = runner.Benchmark(BenchConfig(base_url="http://127.0.0.1:9", model="m"))
+    bench._session = object()  # the stand-in tokenizer never uses it
+
+    async def twice():
+        return await bench.tokenizer(), await bench.tokenizer()
+
+    first, second = asyncio.run(twice())
+    assert first is not None and first is second and len(probes) == 1
