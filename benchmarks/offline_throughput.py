@@ -1,7 +1,7 @@
 """Offline throughput: meshserve vs transformers (and optionally vLLM's CPU build) on one workload.
 
-64 requests of 256 random prompt tokens and 128 output tokens (ignore_eos, greedy, float32), all
-submitted at once. Prints total and output tokens/s of each engine, the ratios, and model FLOP
+64 requests of 256 random prompt tokens and 128 output tokens (ignore_eos, greedy, float32 or
+--dtype bfloat16 for every engine), all submitted at once. Prints total and output tokens/s of each engine, the ratios, and model FLOP
 utilization: MFU = 2 x parameters x processed tokens / elapsed / measured matmul FLOP/s.
 All engines are started and warmed up first, then run the workload in turns (prefix caches emptied
 before each run); with --repeats N there are N rounds and each engine keeps its best time. On a
@@ -27,8 +27,8 @@ import time
 import torch
 
 
-def matmul_flops(n: int = 2048, repeats: int = 10, tries: int = 3) -> float:
-    a, b = torch.randn(n, n), torch.randn(n, n)
+def matmul_flops(n: int = 2048, repeats: int = 10, tries: int = 3, dtype=torch.float32) -> float:
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
     for _ in range(2):
         a @ b
     best = float("inf")
@@ -48,7 +48,7 @@ def make_prompts(num: int, length: int, vocab: int, seed: int) -> list[list[int]
 def meshserve_runner(model_dir: str, prompts, out_len: int, args):
     from meshserve import LLM, SamplingParams
 
-    llm = LLM(model_dir, dtype="float32", max_model_len=args.input_len + out_len + 16,
+    llm = LLM(model_dir, dtype=args.dtype, max_model_len=args.input_len + out_len + 16,
               max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=256,
               kv_cache_memory_bytes=2 << 30)
     params = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
@@ -64,10 +64,10 @@ def meshserve_runner(model_dir: str, prompts, out_len: int, args):
     return run
 
 
-def transformers_runner(model_dir: str, prompts, out_len: int):
+def transformers_runner(model_dir: str, prompts, out_len: int, dtype: str):
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
     ids = torch.tensor(prompts)
     with torch.inference_mode():
         model.generate(ids[:2], max_new_tokens=4, do_sample=False)
@@ -92,7 +92,7 @@ _VLLM_SCRIPT = textwrap.dedent("""
         cfg = json.load(open(sys.argv[1]))
         # An explicit KV budget: by default vLLM's CPU backend wants 0.92 of the node's *total* memory
         # free at start-up and refuses to start otherwise.
-        llm = LLM(cfg["model"], dtype="float32", max_model_len=cfg["max_model_len"],
+        llm = LLM(cfg["model"], dtype=cfg["dtype"], max_model_len=cfg["max_model_len"],
                   kv_cache_memory_bytes=cfg["kv_cache_memory_bytes"])
         prompts = [{"prompt_token_ids": p} for p in cfg["prompts"]]
         sp = SamplingParams(temperature=0, max_tokens=cfg["out_len"], ignore_eos=True)
@@ -177,6 +177,8 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=256)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                    help="every engine's dtype (bfloat16 runs on AMX where the CPU has it)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeats", type=int, default=1, help="rounds of timed runs; each engine keeps its best")
     ap.add_argument("--skip-transformers", action="store_true")
@@ -191,18 +193,18 @@ def main() -> None:
     prompts = make_prompts(args.num_prompts, args.input_len, source.config.vocab_size, args.seed)
     total_tokens = args.num_prompts * (args.input_len + args.output_len)
     out_tokens = args.num_prompts * args.output_len
-    flops = matmul_flops()
+    flops = matmul_flops(dtype=getattr(torch, args.dtype))
     print(f"model {source.model_id} ({params / 1e6:.1f}M parameters), {args.num_prompts} requests x "
           f"{args.input_len} in / {args.output_len} out, {torch.get_num_threads()} threads, "
           f"best of {args.repeats} run(s) per engine")
-    print(f"measured fp32 matmul: {flops / 1e9:.1f} GFLOP/s")
+    print(f"measured {args.dtype} matmul: {flops / 1e9:.1f} GFLOP/s")
 
     runners = {"meshserve": meshserve_runner(model_dir, prompts, args.output_len, args)}
     if not args.skip_transformers:
-        runners["transformers"] = transformers_runner(model_dir, prompts, args.output_len)
+        runners["transformers"] = transformers_runner(model_dir, prompts, args.output_len, args.dtype)
     vllm_runners = []
     if args.vllm_python:
-        cfg = {"model": model_dir, "prompts": prompts, "out_len": args.output_len,
+        cfg = {"model": model_dir, "dtype": args.dtype, "prompts": prompts, "out_len": args.output_len,
                "max_model_len": args.input_len + args.output_len + 16,
                # 3 GiB of fp32 KV (~35k tokens here) holds all requests at once: no run is slowed by preemption
                "kv_cache_memory_bytes": 3 << 30}

@@ -11,6 +11,7 @@ load), so a slow spell of a shared machine falls on both. Every load sends its o
 same for both engines: a replayed prompt would be a prefix-cache hit, not a prefill.
 
     python benchmarks/serving_latency.py --vllm-python /opt/vllm-venv/bin/python
+    python benchmarks/serving_latency.py --vllm-python /opt/vllm-venv/bin/python --dtype bfloat16
     python benchmarks/serving_latency.py --rates 0.5,1 --no-sweep --meshserve-args "--prefill-chunk-with-decodes 64"
 
 The planner column is `meshserve plan --request-rate R --simulate-requests 32` for the embedded model
@@ -72,6 +73,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "'--prefill-chunk-with-decodes 64'; repeatable")
     p.add_argument("--vllm-args", default="", help="extra flags for vllm serve")
     p.add_argument("--calibration-file", default=None, help="planner calibration to use (default: measure now)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="both engines' dtype, and the planner's (bfloat16 runs on AMX where the CPU has it)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, metavar="FILE", help="also write every result here")
     return p.parse_args(argv)
@@ -80,7 +83,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def engines(a: argparse.Namespace, model_dir: str) -> list[Engine]:
     max_len = str(max_model_len(a))
     serve = [sys.executable, "-m", "meshserve", "serve", model_dir, "--served-model-name", SERVED_NAME,
-             "--max-model-len", max_len, "--log-level", "warning", *shlex.split(a.meshserve_args)]
+             "--max-model-len", max_len, "--dtype", a.dtype, "--log-level", "warning", *shlex.split(a.meshserve_args)]
     found = [Engine("meshserve", serve)]
     found += [Engine(f"meshserve {flags}", [*serve, *shlex.split(flags)], sweep_it=False)
               for flags in a.meshserve_variant]
@@ -89,7 +92,7 @@ def engines(a: argparse.Namespace, model_dir: str) -> list[Engine]:
         # explicit KV budget (by default it wants 92% of the node's memory free), room for
         # 45,000 tokens, more than the all-at-once load holds.
         found.append(Engine("vllm", [a.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
-                                     "--served-model-name", SERVED_NAME, "--dtype", "float32", "--max-model-len",
+                                     "--served-model-name", SERVED_NAME, "--dtype", a.dtype, "--max-model-len",
                                      max_len, "--kv-cache-memory-bytes", str(2 << 30),
                                      *shlex.split(a.vllm_args)],
                             {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
@@ -174,17 +177,18 @@ def planner_calibration(a: argparse.Namespace):
 
     if a.calibration_file:
         return load_calibration(a.calibration_file)
-    return calibrate(os.path.join(tempfile.mkdtemp(), "calibration.json"))[0]
+    return calibrate(os.path.join(tempfile.mkdtemp(), "calibration.json"), cpu_dtype=a.dtype)[0]
 
 
 def planner_point(a: argparse.Namespace, rate: float, cal):
-    """`meshserve plan --gpu this-machine --model SmolLM2-135M --weight-dtype fp32 --prompt-len 256
+    """`meshserve plan --gpu this-machine --model SmolLM2-135M --weight-dtype fp32|bf16 --prompt-len 256
     --output-len 128 --max-model-len 1024 --request-rate R --simulate-requests 32`: the simulated
     percentiles of runs like the benchmark's (plan/simulate.py)."""
     from meshserve.plan.catalog import get_model
     from meshserve.plan.planner import PlanConfig, plan
 
-    result = plan(PlanConfig(model=get_model("SmolLM2-135M"), gpu=cal.to_gpu_spec(), weight_dtype="fp32",
+    result = plan(PlanConfig(model=get_model("SmolLM2-135M"), gpu=cal.to_gpu_spec(),
+                             weight_dtype="bf16" if a.dtype == "bfloat16" else "fp32",
                              max_model_len=max_model_len(a), prompt_len=a.input_len, output_len=a.output_len,
                              request_rate=rate, simulate_requests=a.num_prompts))
     return result.recommended.simulated

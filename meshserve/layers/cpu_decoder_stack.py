@@ -4,8 +4,8 @@ The module path spends a few microseconds of Python per module call and per oper
 layers that is 10-15 ms of every step, about a fifth of a decode step of the embedded model on two
 cores. The C++ loop runs the same operators in the same order, so its output is bit-identical
 (tests/model/test_cpu_decoder_stack.py compares the two). It takes Llama-family layers with the
-dense SwiGLU MLP (bias on QKV allowed: Qwen2) on one tensor-parallel rank, float32 on CPU with the
-CPU kernels built; anything else (MoE, Qwen3's query/key norm, TP all-reduces, CUDA) keeps the
+dense SwiGLU MLP (bias on QKV allowed: Qwen2) on one tensor-parallel rank, float32 or bfloat16 on
+CPU with the CPU kernels built; anything else (MoE, Qwen3's query/key norm, TP all-reduces, CUDA) keeps the
 module path. MESHSERVE_DISABLE_CPU_KERNELS=1 turns it off with the other kernels.
 """
 from __future__ import annotations
@@ -25,6 +25,7 @@ class CPUDecoderStack:
         self.num_heads, self.num_kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
         self.eps = layers[0].input_layernorm.eps
         self.cos, self.sin = attn.rotary.cos, attn.rotary.sin
+        self.packed_rows = cpu_gemm.packed_rows(attn.qkv_proj.weight.dtype)
         self.weights: list[torch.Tensor] = []
         for layer in layers:  # the order of LayerWeight in decoder_stack.cpp
             a, m = layer.self_attn, layer.mlp
@@ -45,8 +46,7 @@ class CPUDecoderStack:
                 return None
             if a.rotary is not layers[0].self_attn.rotary or layer.input_layernorm.eps != layers[0].input_layernorm.eps:
                 return None
-            params = [*layer.parameters(), a.rotary.cos]
-            if not cpu_kernels.usable(*params):
+            if not cpu_kernels.usable(*layer.parameters()) or a.rotary.cos.dtype != torch.float32:
                 return None
         return cls(layers)
 
@@ -66,7 +66,7 @@ class CPUDecoderStack:
             h, self.weights, kv_caches, positions, self.cos, self.sin, meta.slot_mapping, groups, tables,
             meta.num_prefill_tokens, meta.decode_block_tables if decode else _NONE,
             meta.decode_context_lens if decode else _NONE, self.num_heads, self.num_kv_heads, self.head_dim,
-            self.eps, cpu_gemm.PACKED_MIN_ROWS, cpu_gemm.PACKED_MAX_ROWS)
+            self.eps, *self.packed_rows)
         return h, residual
 
 

@@ -1,4 +1,4 @@
-"""CPU kernels for the float32 path, in C++ compiled on first use (source: csrc/cpu_kernels.cpp).
+"""CPU kernels for the float32 and bfloat16 paths, in C++ compiled on first use (source: csrc/cpu_kernels.cpp).
 
 - `paged_decode`: decode attention reading K/V straight from the paged cache. The PyTorch path
   gathers every sequence's blocks into a padded copy before SDPA, which on CPU triples the memory
@@ -97,9 +97,13 @@ def available() -> bool:
     return _module is not None
 
 
+DTYPES = (torch.float32, torch.bfloat16)
+
+
 def usable(*tensors: torch.Tensor) -> bool:
-    """The kernels take float32 CPU tensors only."""
-    return all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors) and available()
+    """The kernels take CPU tensors of one dtype, float32 or bfloat16 (computed in float32)."""
+    dtype = tensors[0].dtype
+    return dtype in DTYPES and all(t.device.type == "cpu" and t.dtype == dtype for t in tensors) and available()
 
 
 def _kernels():

@@ -59,7 +59,7 @@ class RotaryEmbedding(nn.Module):
         """Split a fused QKV projection [T, (H + 2 KVH) D] into q [T, H, D], k and v [T, KVH, D],
         with q and k rotated (in place in qkv on the CPU kernel path)."""
         t, d = qkv.shape[0], self.cos.shape[-1]
-        fused = cpu_kernels.usable(qkv, self.cos) and qkv.stride(-1) == 1
+        fused = cpu_kernels.usable(qkv) and self.cos.dtype == torch.float32 and qkv.stride(-1) == 1
         if fused:
             cpu_kernels.rotary_(qkv, positions, self.cos, self.sin, num_heads + num_kv_heads, d)
         q, k, v = qkv.split([num_heads * d, num_kv_heads * d, num_kv_heads * d], dim=-1)

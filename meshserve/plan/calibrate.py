@@ -266,7 +266,7 @@ _PROBE_MODEL = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "inter
 
 
 def measure_engine_overheads(repeats: int = 10, clock: Clock = time.perf_counter,
-                             layer_counts: tuple[int, int] = (2, 12)) -> tuple[float, float]:
+                             layer_counts: tuple[int, int] = (2, 12), dtype: str = "float32") -> tuple[float, float]:
     """(seconds per step, seconds per decoder layer) of a one-row greedy decode step through the
     engine's model runner and sampler on this CPU: tiny-width dummy models of two depths, the
     difference per layer, the rest per step."""
@@ -287,7 +287,7 @@ def measure_engine_overheads(repeats: int = 10, clock: Clock = time.perf_counter
             for layers in layer_counts:
                 path = Path(tmp) / f"probe-{layers}.json"
                 path.write_text(json.dumps({**_PROBE_MODEL, "num_hidden_layers": layers}))
-                config = EngineConfig(model=str(path), load_format="dummy", dtype="float32", device="cpu",
+                config = EngineConfig(model=str(path), load_format="dummy", dtype=dtype, device="cpu",
                                       block_size=block)
                 runner = ModelRunner(config, resolve_model(str(path), "dummy"), 256)
                 runner.init_kv_cache(context // block + 1)
@@ -382,17 +382,24 @@ def _memory_bytes(device: str) -> float:
     return float(psutil.virtual_memory().total)
 
 
+CPU_DTYPES = ("float32", "bfloat16")
+
+
 def calibrate(path: str | Path | None = None, *, threads: int | None = None,
-              cpu_time: bool = False) -> tuple[Calibration, Path]:
+              cpu_time: bool = False, cpu_dtype: str = "float32") -> tuple[Calibration, Path]:
     """Measure, save, and return the calibration and where it was written. `threads` sets
-    torch's intra-op threads for the measurement (default: torch's own choice)."""
+    torch's intra-op threads for the measurement (default: torch's own choice). A CPU measures
+    matmuls, attention and the engine's step in `cpu_dtype` (the dtype it will serve in: bfloat16
+    runs on AMX tiles where the CPU has them); a GPU always in bfloat16."""
     import torch
 
+    if cpu_dtype not in CPU_DTYPES:
+        raise ValueError(f"cpu_dtype must be one of {', '.join(CPU_DTYPES)}, not {cpu_dtype!r}")
     cuda = torch.cuda.is_available()
     if cpu_time and (cuda or threads != 1):
         raise ValueError("cpu_time calibration needs a CPU run with threads=1")
     device = "cuda" if cuda else "cpu"
-    dtype = torch.bfloat16 if cuda else torch.float32
+    dtype = torch.bfloat16 if cuda else getattr(torch, cpu_dtype)
     clock = time.thread_time if cpu_time else time.perf_counter
     alpha, beta = measure_allreduce()
     previous = torch.get_num_threads()
@@ -400,7 +407,7 @@ def calibrate(path: str | Path | None = None, *, threads: int | None = None,
     torch.set_num_threads(threads or previous)
     try:
         if not cuda:  # on a GPU the per-call cost is op_overhead_s (launches, CUDA graphs aside)
-            step_overhead, layer_overhead = measure_engine_overheads(clock=clock)
+            step_overhead, layer_overhead = measure_engine_overheads(clock=clock, dtype=cpu_dtype)
         cal = Calibration(
             device=torch.cuda.get_device_name(0) if cuda else "cpu",
             matmul_dtype=str(dtype).removeprefix("torch."),

@@ -105,7 +105,8 @@ def run(args: argparse.Namespace) -> int:
 
         if args.gpu and args.gpu.lower() != THIS_MACHINE:
             raise ValueError(f"--calibrate plans for this machine; drop --gpu {args.gpu}")
-        cal, path = calibrate(args.calibration_file)
+        # On a CPU, measure in the dtype the plan's weights have (bf16 runs on AMX where there is one).
+        cal, path = calibrate(args.calibration_file, cpu_dtype="bfloat16" if args.weight_dtype == "bf16" else "float32")
         gpu = cal.to_gpu_spec()
         print(f"calibrated {cal.device}: matmul {cal.matmul_flops / 1e9:,.1f} GFLOP/s "
               f"({cal.matmul_dtype}), memory {cal.memory_bandwidth / 1e9:,.1f} GB/s, all-reduce "

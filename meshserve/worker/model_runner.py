@@ -83,7 +83,7 @@ class ModelRunner:
         self.model = model.to(device=self.device).eval()
         for p in self.model.parameters():
             p.data = p.data.to(self.dtype)  # buffers (rotary tables) stay float32: bf16 positions lose precision
-        if self.device.type == "cpu" and self.dtype == torch.float32:
+        if self.device.type == "cpu" and self.dtype in cpu_kernels.DTYPES:
             cpu_kernels.available()  # compile (or load) them now, not during the first request
         prepack_model(self.model)
         if getattr(self.model, "cpu_stack", None) is not None and self.ps.rank == 0:

@@ -35,6 +35,11 @@ def test_device_defaults(monkeypatch):
 
     if not torch.cuda.is_available():
         assert EngineConfig().dtype_choice() == (torch.float32, config.auto_dtype("cpu", False)[1])
+    # auto stays float32 on a CPU; with AMX the start-up log points at the faster setting.
+    for amx in (True, False):
+        monkeypatch.setattr(config, "cpu_has_amx_bf16", lambda amx=amx: amx)
+        name, why = config.auto_dtype("cpu", False)
+        assert name == "float32" and ("--dtype bfloat16" in why) == amx
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     cfg = EngineConfig()
     monkeypatch.setattr(config, "_cuda_bf16_supported", lambda device: True)

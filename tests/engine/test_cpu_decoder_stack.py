@@ -31,17 +31,19 @@ def _steps() -> list[StepInput]:
     ]
 
 
-@pytest.mark.parametrize("config", [{}, {"attention_bias": True}, {"num_key_value_heads": 4}])
-def test_stack_equals_module_path_bit_for_bit(tmp_path, config):
+@pytest.mark.parametrize("config,dtype", [({}, "float32"), ({"attention_bias": True}, "float32"),
+                                          ({"num_key_value_heads": 4}, "float32"), ({}, "bfloat16"),
+                                          ({"attention_bias": True}, "bfloat16")])
+def test_stack_equals_module_path_bit_for_bit(tmp_path, config, dtype):
     assert cpu_kernels.available()
-    runner = tiny_runner(tmp_path, block_size=BLOCK, config=config)
+    runner = tiny_runner(tmp_path, block_size=BLOCK, config=config, dtype=dtype)
     model = runner.model
     stack = model.cpu_stack
-    assert stack is not None, "the tiny Llama on CPU float32 must take the C++ loop"
+    assert stack is not None, f"the tiny Llama on CPU {dtype} must take the C++ loop"
     if config.get("attention_bias"):
         assert all(layer.self_attn.qkv_proj.bias is not None for layer in model.layers.values())
     shape = (2, 8, BLOCK, runner.num_kv_heads, runner.head_dim)
-    fast_caches = [torch.zeros(shape) for _ in model.layers]
+    fast_caches = [torch.zeros(shape, dtype=getattr(torch, dtype)) for _ in model.layers]
     plain_caches = [c.clone() for c in fast_caches]
     with torch.inference_mode():
         for step in _steps():

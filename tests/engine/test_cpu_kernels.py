@@ -84,8 +84,59 @@ def test_env_var_forces_pytorch_path(monkeypatch):
 def test_other_dtypes_keep_pytorch_path():
     q, k_cache, _, _, _ = _case([3], 9, 3, "padded")
     assert cpu_kernels.usable(q, k_cache)
-    assert not cpu_kernels.usable(q.bfloat16(), k_cache.bfloat16())
+    assert cpu_kernels.usable(q.bfloat16(), k_cache.bfloat16())
     assert not cpu_kernels.usable(q.double(), k_cache.double())
+    assert not cpu_kernels.usable(q.half(), k_cache.half())
+    assert not cpu_kernels.usable(q, k_cache.bfloat16())  # one dtype for all of a kernel's tensors
+
+
+# ---- bfloat16: read into float32, computed in float32, rounded once when stored ---------------------
+
+def _bf16_ulps(got: torch.Tensor, expected: torch.Tensor) -> float:
+    """Largest difference in units of bfloat16's spacing at the expected value (2^-7 relative)."""
+    assert got.dtype == torch.bfloat16
+    spacing = expected.float().abs().clamp_min(1e-3) * 2.0 ** -7
+    return ((got.float() - expected.float()).abs() / spacing).max().item()
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (8, 2, 128), (4, 4, 72)])
+def test_bf16_paged_decode_is_the_float32_attention_of_the_bf16_values(heads, kv_heads, head_dim):
+    lens = [1, 15, 17, 100, 321]
+    q, k_cache, v_cache, meta, lens_t = _case(lens, heads, kv_heads, "scattered", 5, head_dim)
+    q, k_cache, v_cache = q.bfloat16(), k_cache.bfloat16(), v_cache.bfloat16()
+    attn = PagedAttention(heads, kv_heads, head_dim)
+    expected = attn._decode_torch(q.float(), k_cache.float(), v_cache.float(), meta)
+    got = cpu_kernels.paged_decode(q, k_cache, v_cache, meta.decode_block_tables, lens_t, head_dim ** -0.5)
+    assert got.dtype == torch.bfloat16 and got.shape == expected.shape
+    assert _bf16_ulps(got, expected) <= 1.0
+
+
+def test_bf16_elementwise_kernels_round_float32_math_once():
+    g = torch.Generator().manual_seed(7)
+    x, residual = torch.randn(37, 576, generator=g).bfloat16(), torch.randn(37, 576, generator=g).bfloat16()
+    w = torch.randn(576, generator=g).bfloat16()
+    summed = (x.float() + residual.float()).bfloat16()  # the stream is stored in bfloat16
+    normed = (summed.float() * torch.rsqrt(summed.float().pow(2).mean(-1, keepdim=True) + 1e-5)).bfloat16()
+    stream = residual.clone()
+    out = cpu_kernels.rms_norm(x, w, 1e-5, stream)
+    assert torch.equal(stream, summed)
+    assert _bf16_ulps(out, w.float() * normed.float()) <= 0.5 + 1e-3
+
+    gate_up = (torch.randn(9, 2 * 200, generator=g) * 6).bfloat16()
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    assert _bf16_ulps(cpu_kernels.silu_and_mul(gate_up), F.silu(gate) * up) <= 0.5 + 1e-3
+
+    from meshserve.layers.rotary import RotaryEmbedding
+    rot = RotaryEmbedding(64, 512, 10000.0, None)
+    qkv = torch.randn(5, 15 * 64, generator=g).bfloat16()
+    positions = torch.tensor([0, 1, 77, 300, 511])
+    q, k, _ = qkv.float().split([9 * 64, 3 * 64, 3 * 64], dim=-1)
+    q_ref, k_ref = rot(positions, q.reshape(5, 9, 64), k.reshape(5, 3, 64))  # float32 tables and math
+    q2, k2, _ = rot.apply_qkv(positions, qkv, 9, 3)
+    assert _bf16_ulps(q2, q_ref) <= 0.5 + 1e-3 and _bf16_ulps(k2, k_ref) <= 0.5 + 1e-3
+
+    nan = torch.tensor([[float("nan"), 1.0]], dtype=torch.bfloat16)
+    assert torch.isnan(cpu_kernels.silu_and_mul(torch.cat([nan, nan], 1))[0, 0])
 
 
 def test_failed_build_warns_once_and_falls_back(monkeypatch, caplog):
@@ -203,11 +254,32 @@ def test_packed_linear_matches_f_linear(rows, bias, lm_head):
     torch.testing.assert_close(out, F.linear(x, lin.weight, getattr(lin, "bias", None)), rtol=1e-5, atol=1e-4)
 
 
-def test_packing_off_when_disabled_or_not_float32(monkeypatch):
+@pytest.mark.parametrize("rows", [1, 3, 129, 700])
+def test_bf16_packed_linear_takes_every_row_count(rows):
+    from meshserve.layers.linear import ColumnParallelLinear
+
+    lin = ColumnParallelLinear(96, 200, bias=True)
+    g = torch.Generator().manual_seed(rows)
+    lin.weight.data = torch.randn(200, 96, generator=g).bfloat16()
+    lin.bias.data = torch.randn(200, generator=g).bfloat16()
+    lin.prepack()
+    assert lin._packed is not None
+    x = torch.randn(rows, 96, generator=g).bfloat16()
+    calls = []
+    real = torch.ops.mkldnn._linear_pointwise
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda *a: calls.append(1) or real(*a))
+        out = lin(x)
+    assert calls and out.dtype == torch.bfloat16
+    expected = F.linear(x.float(), lin.weight.float(), lin.bias.float())
+    torch.testing.assert_close(out.float(), expected, rtol=1e-2, atol=5e-2)
+
+
+def test_packing_off_when_disabled_or_not_float32_or_bf16(monkeypatch):
     from meshserve.layers.linear import RowParallelLinear
 
     lin = RowParallelLinear(32, 16)
-    lin.weight.data = torch.randn(16, 32).bfloat16()
+    lin.weight.data = torch.randn(16, 32).half()
     lin.prepack()
     assert lin._packed is None
     lin.weight.data = torch.randn(16, 32)
@@ -242,3 +314,29 @@ def test_engine_with_cpu_kernels_generates_as_without(monkeypatch):
             assert la.keys() == lb.keys()
             for tok, lp in la.items():
                 assert abs(lp - lb[tok]) < 1e-3
+
+
+def test_bf16_engine_follows_float32_greedy():
+    """bfloat16 end to end (packed AMX matmuls, the C++ layer loop, bf16 KV cache) on the default
+    model: on natural prompts its greedy text starts as float32's, with logprobs close to
+    float32's while the two agree."""
+    from meshserve import LLM, SamplingParams
+
+    prompts = ["The capital of France is", "def fibonacci(n):", "Water boils at a temperature of"]
+    params = SamplingParams(temperature=0, max_tokens=6, logprobs=1, ignore_eos=True)
+
+    def run(dtype):
+        llm = LLM("default", dtype=dtype, max_model_len=128, kv_cache_memory_bytes=16 << 20)
+        try:
+            return llm.generate(prompts, params)
+        finally:
+            llm.engine.shutdown()
+
+    bf16, fp32 = run("bfloat16"), run("float32")
+    for a, b in zip(bf16, fp32):
+        ta, tb = a.outputs[0].token_ids, b.outputs[0].token_ids
+        assert ta[:2] == tb[:2]
+        for i, (x, y) in enumerate(zip(ta, tb)):
+            if x != y:
+                break
+            assert abs(a.outputs[0].logprobs[i][x] - b.outputs[0].logprobs[i][y]) < 0.15

@@ -21,8 +21,9 @@ def write_tiny_config(directory: Path, **overrides) -> Path:
     return path
 
 
-def tiny_runner(directory: Path, max_model_len: int = 64, config: dict | None = None, **engine_args) -> ModelRunner:
+def tiny_runner(directory: Path, max_model_len: int = 64, config: dict | None = None, dtype: str = "float32",
+                **engine_args) -> ModelRunner:
     path = write_tiny_config(directory, **(config or {}))
     set_parallel_state(ParallelState())
-    config = EngineConfig(model=str(path), load_format="dummy", dtype="float32", device="cpu", **engine_args)
+    config = EngineConfig(model=str(path), load_format="dummy", dtype=dtype, device="cpu", **engine_args)
     return ModelRunner(config, resolve_model(str(path), "dummy"), max_model_len)

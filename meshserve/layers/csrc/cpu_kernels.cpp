@@ -1,7 +1,8 @@
-// CPU kernels for the float32 path: paged decode attention and the fused element-wise steps
-// around the matmuls (RMSNorm with the residual add, SiLU-and-multiply, rotary embedding).
-// Each fused kernel reads and writes every element once where the PyTorch sequence of ops makes
-// several passes over activations that no longer fit in cache during prefill.
+// CPU kernels for the float32 and bfloat16 paths: paged decode attention and the fused
+// element-wise steps around the matmuls (RMSNorm with the residual add, SiLU-and-multiply, rotary
+// embedding). Each fused kernel reads and writes every element once where the PyTorch sequence of
+// ops makes several passes over activations that no longer fit in cache during prefill.
+// bfloat16 tensors are read into float32, computed in float32 and rounded once when stored.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
@@ -10,6 +11,39 @@
 #include <cstring>
 #include <limits>
 #include <vector>
+
+using bf16 = at::BFloat16;
+
+// Conversions written as plain bit operations so that `omp simd` loops vectorise them (c10's
+// own go through a NaN branch that kept the loops scalar: 3-7x slower element-wise kernels).
+static inline float f32(float v) { return v; }
+static inline float f32(bf16 v) {
+  const uint32_t bits = static_cast<uint32_t>(v.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+template <typename T>
+static inline T store(float v);
+template <>
+inline float store<float>(float v) { return v; }
+template <>
+inline bf16 store<bf16>(float v) {  // round to nearest even, as torch does; NaN stays NaN
+  uint32_t bits;
+  std::memcpy(&bits, &v, sizeof(bits));
+  bits = v != v ? 0x7FC00000u : bits + 0x7FFFu + ((bits >> 16) & 1u);
+  bf16 out;
+  out.x = static_cast<uint16_t>(bits >> 16);
+  return out;
+}
+
+// Calls body(T{}) with T the element type of x: float or bfloat16.
+template <typename Body>
+static void dispatch(const torch::Tensor& x, const char* name, Body&& body) {
+  if (x.scalar_type() == at::kFloat) return body(float{});
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16, name, ": float32 or bfloat16 only");
+  body(bf16{});
+}
 
 // exp(x) for float32, written so that `omp simd` loops vectorise it: x = n ln2 + r with
 // |r| <= ln2 / 2, then a degree-6 polynomial for exp(r) (max relative error ~2 ulp) scaled by 2^n.
@@ -30,10 +64,19 @@ static inline float exp_approx(float x) {
   return p * scale;
 }
 
+// n elements of a cache block as float32: float32 blocks are read in place, bfloat16 blocks are
+// converted once into `scratch` so that every query head of a group reads floats.
+static inline const float* as_float(const float* src, float*, int64_t) { return src; }
+static inline const float* as_float(const bf16* src, float* scratch, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) scratch[i] = f32(src[i]);
+  return scratch;
+}
+
 // The decode attention proper; HD > 0 fixes the head size at compile time (fully unrolled inner
 // loops for the common sizes), HD == 0 takes it at run time.
-template <int64_t HD>
-static void paged_decode_impl(const float* qp, const float* kp, const float* vp, float* op, const int64_t* tables,
+template <int64_t HD, typename T>
+static void paged_decode_impl(const T* qp, const T* kp, const T* vp, T* op, const int64_t* tables,
                               const int64_t* lens, int64_t B, int64_t H, int64_t D_rt, int64_t KVH, int64_t bs,
                               int64_t max_blocks, float fscale) {
   const int64_t D = HD > 0 ? HD : D_rt;
@@ -43,18 +86,18 @@ static void paged_decode_impl(const float* qp, const float* kp, const float* vp,
   // used by all query heads of each group from L1 (reading one KV head's slice per task instead
   // measured about 2x slower, memory bound on the strided rows).
   at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> p, inv_sum(H);  // p: [H, L] scores, then unnormalised probabilities
+    // p: [H, L] scores, then unnormalised probabilities; qb, ob: this sequence's query and output
+    std::vector<float> p, inv_sum(H), qb(H * D), ob(H * D), scratch(bs * row);
     for (int64_t b = begin; b < end; ++b) {
       const int64_t L = lens[b];
       const int64_t* table = tables + b * max_blocks;
-      const float* qb = qp + b * H * D;
-      float* ob = op + b * H * D;
+      for (int64_t i = 0; i < H * D; ++i) qb[i] = f32(qp[b * H * D + i]);
       p.resize(H * L);
       for (int64_t t0 = 0; t0 < L; t0 += bs) {
-        const float* kb = kp + table[t0 / bs] * bs * row;
         const int64_t n = std::min(bs, L - t0);
+        const float* kb = as_float(kp + table[t0 / bs] * bs * row, scratch.data(), n * row);
         for (int64_t h = 0; h < H; ++h) {
-          const float* qh = qb + h * D;
+          const float* qh = qb.data() + h * D;
           const float* kh = kb + (h / G) * D;
           float* ph = p.data() + h * L + t0;
           for (int64_t j = 0; j < n; ++j) {
@@ -66,7 +109,7 @@ static void paged_decode_impl(const float* qp, const float* kp, const float* vp,
         }
       }
       // Stable softmax: subtract the row max before exp; normalise the output once at the end.
-      std::fill(ob, ob + H * D, 0.f);
+      std::fill(ob.begin(), ob.end(), 0.f);
       for (int64_t h = 0; h < H; ++h) {
         float* ph = p.data() + h * L;
         float mx = -std::numeric_limits<float>::infinity();
@@ -80,12 +123,12 @@ static void paged_decode_impl(const float* qp, const float* kp, const float* vp,
         inv_sum[h] = 1.f / sum;
       }
       for (int64_t t0 = 0; t0 < L; t0 += bs) {
-        const float* vb = vp + table[t0 / bs] * bs * row;
         const int64_t n = std::min(bs, L - t0);
+        const float* vb = as_float(vp + table[t0 / bs] * bs * row, scratch.data(), n * row);
         for (int64_t h = 0; h < H; ++h) {
           const float* ph = p.data() + h * L + t0;
           const float* vh = vb + (h / G) * D;
-          float* oh = ob + h * D;
+          float* oh = ob.data() + h * D;
           // 16 output columns at a time, their accumulators held in registers across the
           // block's tokens (a fixed-size inner loop the compiler unrolls and vectorises).
           int64_t i0 = 0;
@@ -104,8 +147,9 @@ static void paged_decode_impl(const float* qp, const float* kp, const float* vp,
             for (int64_t j = 0; j < n; ++j) oh[i0] += ph[j] * vh[j * row + i0];
         }
       }
+      T* out = op + b * H * D;
       for (int64_t h = 0; h < H; ++h)
-        for (int64_t i = 0; i < D; ++i) ob[h * D + i] *= inv_sum[h];
+        for (int64_t i = 0; i < D; ++i) out[h * D + i] = store<T>(ob[h * D + i] * inv_sum[h]);
     }
   });
 }
@@ -113,8 +157,8 @@ static void paged_decode_impl(const float* qp, const float* kp, const float* vp,
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                            torch::Tensor block_tables, torch::Tensor context_lens, double scale) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes());
-  TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
-              v_cache.scalar_type() == at::kFloat, "paged_decode: float32 only");
+  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
+              "paged_decode: the query and the caches must have one dtype");
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous());
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && block_tables.is_contiguous());
   TORCH_CHECK(context_lens.scalar_type() == at::kLong && context_lens.is_contiguous());
@@ -130,65 +174,70 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
                   "paged_decode: block id out of range");
   }
   auto out = torch::empty_like(q);
-  const float* qp = q.data_ptr<float>();
-  const float* kp = k_cache.data_ptr<float>();
-  const float* vp = v_cache.data_ptr<float>();
-  float* op = out.data_ptr<float>();
   const float fscale = static_cast<float>(scale);
-
-  const int64_t* lp = lens;
-  switch (D) {
-    case 64: paged_decode_impl<64>(qp, kp, vp, op, tables, lp, B, H, D, KVH, bs, max_blocks, fscale); break;
-    case 128: paged_decode_impl<128>(qp, kp, vp, op, tables, lp, B, H, D, KVH, bs, max_blocks, fscale); break;
-    default: paged_decode_impl<0>(qp, kp, vp, op, tables, lp, B, H, D, KVH, bs, max_blocks, fscale);
-  }
+  dispatch(q, "paged_decode", [&](auto tag) {
+    using T = decltype(tag);
+    const T* qp = q.data_ptr<T>();
+    const T* kp = k_cache.data_ptr<T>();
+    const T* vp = v_cache.data_ptr<T>();
+    T* op = out.data_ptr<T>();
+    switch (D) {
+      case 64: paged_decode_impl<64>(qp, kp, vp, op, tables, lens, B, H, D, KVH, bs, max_blocks, fscale); break;
+      case 128: paged_decode_impl<128>(qp, kp, vp, op, tables, lens, B, H, D, KVH, bs, max_blocks, fscale); break;
+      default: paged_decode_impl<0>(qp, kp, vp, op, tables, lens, B, H, D, KVH, bs, max_blocks, fscale);
+    }
+  });
   return out;
 }
 
 
 static void check_rows(const torch::Tensor& x, const char* name) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1,
-              name, ": expected a float32 [rows, cols] tensor with contiguous rows");
+  TORCH_CHECK((x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) && x.dim() == 2 &&
+                  x.stride(1) == 1,
+              name, ": expected a float32 or bfloat16 [rows, cols] tensor with contiguous rows");
 }
 
 // out = weight * (x / rms(x)); with a residual, x + residual is normalised and also written back
-// into residual (the stream the next sub-layer adds to).
+// into residual (the stream the next sub-layer adds to). In bfloat16 the roundings are those of
+// the usual formula: the sum is stored, x / rms(x) is rounded before the weight multiplies it.
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> residual, double eps) {
   check_rows(x, "rms_norm");
-  const int64_t T = x.size(0), H = x.size(1);
-  TORCH_CHECK(weight.is_contiguous() && weight.numel() == H && weight.scalar_type() == at::kFloat);
-  float* rp = nullptr;
+  const int64_t T_ = x.size(0), H = x.size(1);
+  TORCH_CHECK(weight.is_contiguous() && weight.numel() == H && weight.scalar_type() == x.scalar_type());
   int64_t rstride = 0;
   if (residual) {
     check_rows(*residual, "rms_norm residual");
-    TORCH_CHECK(residual->size(0) == T && residual->size(1) == H);
-    rp = residual->data_ptr<float>();
+    TORCH_CHECK(residual->size(0) == T_ && residual->size(1) == H && residual->scalar_type() == x.scalar_type());
     rstride = residual->stride(0);
   }
-  auto out = torch::empty({T, H}, x.options());
-  const float* xp = x.data_ptr<float>();
-  const float* wp = weight.data_ptr<float>();
-  float* op = out.data_ptr<float>();
+  auto out = torch::empty({T_, H}, x.options());
   const int64_t xstride = x.stride(0);
   const float feps = static_cast<float>(eps);
-  at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const float* xr = xp + t * xstride;
-      float* o = op + t * H;
-      const float* src = xr;
-      if (rp) {
-        float* rr = rp + t * rstride;
+  dispatch(x, "rms_norm", [&](auto tag) {
+    using T = decltype(tag);
+    T* rp = residual ? residual->data_ptr<T>() : nullptr;
+    const T* xp = x.data_ptr<T>();
+    const T* wp = weight.data_ptr<T>();
+    T* op = out.data_ptr<T>();
+    at::parallel_for(0, T_, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const T* xr = xp + t * xstride;
+        T* o = op + t * H;
+        const T* src = xr;
+        if (rp) {
+          T* rr = rp + t * rstride;
 #pragma omp simd
-        for (int64_t i = 0; i < H; ++i) rr[i] += xr[i];
-        src = rr;
-      }
-      float ss = 0.f;
+          for (int64_t i = 0; i < H; ++i) rr[i] = store<T>(f32(rr[i]) + f32(xr[i]));
+          src = rr;
+        }
+        float ss = 0.f;
 #pragma omp simd reduction(+ : ss)
-      for (int64_t i = 0; i < H; ++i) ss += src[i] * src[i];
-      const float inv = 1.f / std::sqrt(ss / static_cast<float>(H) + feps);
+        for (int64_t i = 0; i < H; ++i) ss += f32(src[i]) * f32(src[i]);
+        const float inv = 1.f / std::sqrt(ss / static_cast<float>(H) + feps);
 #pragma omp simd
-      for (int64_t i = 0; i < H; ++i) o[i] = wp[i] * (src[i] * inv);
-    }
+        for (int64_t i = 0; i < H; ++i) o[i] = store<T>(f32(wp[i]) * f32(store<T>(f32(src[i]) * inv)));
+      }
+    });
   });
   return out;
 }
@@ -196,31 +245,35 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, c10::optional<torc
 // gate_up: [T, 2I] (gate then up) -> silu(gate) * up: [T, I].
 torch::Tensor silu_and_mul(torch::Tensor gate_up) {
   check_rows(gate_up, "silu_and_mul");
-  const int64_t T = gate_up.size(0), I = gate_up.size(1) / 2;
+  const int64_t T_ = gate_up.size(0), I = gate_up.size(1) / 2;
   TORCH_CHECK(gate_up.size(1) == 2 * I, "silu_and_mul: odd last dimension");
-  auto out = torch::empty({T, I}, gate_up.options());
-  const float* gp = gate_up.data_ptr<float>();
-  float* op = out.data_ptr<float>();
+  auto out = torch::empty({T_, I}, gate_up.options());
   const int64_t stride = gate_up.stride(0);
-  at::parallel_for(0, T, 4, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const float* g = gp + t * stride;
-      const float* u = g + I;
-      float* o = op + t * I;
-      // Two passes over the (L1-resident) row: fused in one loop, the exp and division latencies
-      // chain up and the loop ran 3x slower.
+  dispatch(gate_up, "silu_and_mul", [&](auto tag) {
+    using T = decltype(tag);
+    const T* gp = gate_up.data_ptr<T>();
+    T* op = out.data_ptr<T>();
+    at::parallel_for(0, T_, 4, [&](int64_t begin, int64_t end) {
+      std::vector<float> e(I);
+      for (int64_t t = begin; t < end; ++t) {
+        const T* g = gp + t * stride;
+        const T* u = g + I;
+        T* o = op + t * I;
+        // Two passes over the (L1-resident) row: fused in one loop, the exp and division latencies
+        // chain up and the loop ran 3x slower.
 #pragma omp simd
-      for (int64_t i = 0; i < I; ++i) o[i] = exp_approx(-g[i]);
+        for (int64_t i = 0; i < I; ++i) e[i] = exp_approx(-f32(g[i]));
 #pragma omp simd
-      for (int64_t i = 0; i < I; ++i) o[i] = g[i] / (1.f + o[i]) * u[i];
-    }
+        for (int64_t i = 0; i < I; ++i) o[i] = store<T>(f32(g[i]) / (1.f + e[i]) * f32(u[i]));
+      }
+    });
   });
   return out;
 }
 
 // Rotates, in place, the first `num_heads` heads of each row of x ([T, >= num_heads * D], rows
 // contiguous: the query and key heads at the front of a fused QKV output) by the rotate-half rule
-// with the cos/sin tables ([max_positions, D], both halves equal).
+// with the float32 cos/sin tables ([max_positions, D], both halves equal).
 void rotary_(torch::Tensor x, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin,
              int64_t num_heads, int64_t head_dim) {
   check_rows(x, "rotary_");
@@ -228,26 +281,29 @@ void rotary_(torch::Tensor x, torch::Tensor positions, torch::Tensor cos, torch:
               sin.scalar_type() == at::kFloat && cos.size(1) == head_dim && sin.sizes() == cos.sizes());
   TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() && positions.numel() == x.size(0));
   TORCH_CHECK(x.size(1) >= num_heads * head_dim && head_dim % 2 == 0);
-  const int64_t T = x.size(0), half = head_dim / 2, stride = x.stride(0), max_pos = cos.size(0);
+  const int64_t T_ = x.size(0), half = head_dim / 2, stride = x.stride(0), max_pos = cos.size(0);
   const int64_t* pos = positions.data_ptr<int64_t>();
-  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(pos[t] >= 0 && pos[t] < max_pos, "rotary_: position out of range");
-  float* xp = x.data_ptr<float>();
+  for (int64_t t = 0; t < T_; ++t) TORCH_CHECK(pos[t] >= 0 && pos[t] < max_pos, "rotary_: position out of range");
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
-  at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const float* c = cp + pos[t] * head_dim;
-      const float* s = sp + pos[t] * head_dim;
-      for (int64_t h = 0; h < num_heads; ++h) {
-        float* a = xp + t * stride + h * head_dim;
-        float* b = a + half;
+  dispatch(x, "rotary_", [&](auto tag) {
+    using T = decltype(tag);
+    T* xp = x.data_ptr<T>();
+    at::parallel_for(0, T_, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const float* c = cp + pos[t] * head_dim;
+        const float* s = sp + pos[t] * head_dim;
+        for (int64_t h = 0; h < num_heads; ++h) {
+          T* a = xp + t * stride + h * head_dim;
+          T* b = a + half;
 #pragma omp simd
-        for (int64_t i = 0; i < half; ++i) {
-          const float x1 = a[i], x2 = b[i];
-          a[i] = x1 * c[i] - x2 * s[i];
-          b[i] = x2 * c[half + i] + x1 * s[half + i];
+          for (int64_t i = 0; i < half; ++i) {
+            const float x1 = f32(a[i]), x2 = f32(b[i]);
+            a[i] = store<T>(x1 * c[i] - x2 * s[i]);
+            b[i] = store<T>(x2 * c[half + i] + x1 * s[half + i]);
+          }
         }
       }
-    }
+    });
   });
 }

@@ -1,4 +1,4 @@
-// A pipeline stage's dense decoder layers (Llama family, one tensor-parallel rank, float32 on CPU)
+// A pipeline stage's dense decoder layers (Llama family, one tensor-parallel rank, float32 or bfloat16 on CPU)
 // in one call. The Python loop over layers costs a few microseconds per module call and per
 // operator on every layer; at 30 layers that was 10-15 ms of a 60-70 ms decode step. This runs
 // the same operators in the same order (so its output is bit-identical to the module path, which
