@@ -53,7 +53,8 @@ class ReservationError(ValueError):
 
 class Lease:
     """Blocks promised to one request (or one attempt of it) until it ends or the lease expires."""
-    __slots__ = ("lease_id", "request_id", "attempt_id", "blocks", "expires_at", "pinned", "taken", "bound_to")
+    __slots__ = ("lease_id", "request_id", "attempt_id", "blocks", "expires_at", "pinned", "taken", "bound_to",
+                 "seqs")
 
     def __init__(self, lease_id: str, request_id: str, attempt_id: str, blocks: int, expires_at: float,
                  pinned: list[Block]) -> None:
@@ -65,6 +66,7 @@ class Lease:
         self.pinned = pinned  # the cached prefix the size was computed against
         self.taken = 0  # blocks its request took out of the free queue so far
         self.bound_to: str | None = None  # the engine request drawing on it
+        self.seqs: list[Sequence] = []  # its request's sequences, once bound
 
     @property
     def remaining(self) -> int:
@@ -90,7 +92,7 @@ class BlockManager:
         self.prefix_hits = 0
         self.leases: dict[str, Lease] = {}
         self.held_back = 0  # sum of the leases' remaining blocks: never more than the free blocks
-        self.peak_reserved = 0  # most blocks ever promised at once (leases' blocks plus pins)
+        self.peak_reserved = 0  # most blocks ever promised at once (see reserved_blocks)
 
     # ---- accounting --------------------------------------------------------------------
     @property
@@ -243,10 +245,12 @@ class BlockManager:
 
     @property
     def reserved_blocks(self) -> int:
-        """Blocks promised by live leases: their blocks plus the prefix blocks they pin (a block
-        pinned by several leases counts once)."""
-        pinned = {b.block_id for lease in self.leases.values() for b in lease.pinned}
-        return sum(lease.blocks for lease in self.leases.values()) + len(pinned)
+        """Distinct blocks promised to live leases: those their requests hold now and the prefix
+        blocks they pin (each counted once, however many sequences share it), plus those held back
+        for them. Never more than num_blocks: only free blocks are held back."""
+        held = {b.block_id for lease in self.leases.values() for b in lease.pinned}
+        held.update(i for lease in self.leases.values() for s in lease.seqs for i in s.block_table)
+        return len(held) + self.held_back
 
     def bind(self, lease_id: str, request_id: str, seqs: list[Sequence], max_new_tokens: int) -> Lease:
         """Let `seqs` (one request) draw on the lease. ValueError when the lease is unknown (ended or
@@ -264,6 +268,7 @@ class BlockManager:
         if need > lease.blocks:
             raise ReservationError(f"reservation {lease_id!r} holds {lease.blocks} blocks; this request needs {need}")
         lease.bound_to = request_id
+        lease.seqs = seqs
         for s in seqs:
             s.lease = lease
         return lease
@@ -280,6 +285,7 @@ class BlockManager:
             if b.ref_count == 0:
                 self.free_queue[b.block_id] = b
         lease.pinned = []
+        lease.seqs = []
         return lease
 
     def expired_leases(self, now: float) -> list[Lease]:

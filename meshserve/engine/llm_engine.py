@@ -40,7 +40,8 @@ class EngineStats:
     num_preemptions: int
     num_free_blocks: int
     num_blocks: int
-    reserved_blocks: int = 0  # promised to leases (see BlockManager.reserve)
+    reserved_blocks: int = 0  # promised to leases (see BlockManager.reserved_blocks)
+    held_back_blocks: int = 0  # free blocks held back for leases: the rest are anyone's
     num_leases: int = 0
     pending_prefill_tokens: int = 0  # prompt tokens admitted or waiting that are not computed yet
     block_size: int = 16
@@ -350,7 +351,7 @@ class LLMEngine:
         return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), bm.usage, bm.prefix_queries,
                            bm.prefix_hits, self.num_prompt_tokens, self.num_generation_tokens,
                            self.scheduler.num_preemptions, bm.num_free_blocks, bm.num_blocks,
-                           bm.reserved_blocks, len(bm.leases), pending, bm.block_size,
+                           bm.reserved_blocks, bm.held_back, len(bm.leases), pending, bm.block_size,
                            self.last_step_compute_s, self.last_step_comm_s,
                            parallel_timing=self.executor.timing_snapshot(),
                            expert_load=self.executor.expert_load_snapshot(),

@@ -493,7 +493,7 @@ class EngineClient:
         """A lease from the first engine that grants it, those with the most unpromised free blocks
         asked first; None when none can. Its lease id names the engine ("<rank>.<id>")."""
         live = sorted((r for r in self._replicas if r.alive), key=lambda r: -(
-            r.stats.get("num_free_blocks", 0) - r.stats.get("reserved_blocks", 0)))
+            r.stats.get("num_free_blocks", 0) - r.stats.get("held_back_blocks", 0)))
         if not live or self._closing:
             raise EngineDeadError("no engine is running")
         for r in live:

@@ -28,6 +28,28 @@ def test_grant_is_refused_when_unheld_blocks_do_not_cover_it():
     assert bm.reserved_blocks == 10 == bm.peak_reserved
 
 
+def test_leases_sharing_a_running_prefix_count_its_blocks_once():
+    """Requests with the prompt of one that is running pin its cached blocks: the ledger counts each
+    block once, and grants stop exactly when the blocks are all promised."""
+    bm = BlockManager(8, BS)
+    prompt = list(range(9))  # 2 full blocks and one token; with 3 new tokens, 3 blocks
+    bm.reserve("a", prompt, 3, 1, expires_at=1e9)
+    first = seq(prompt)
+    bm.bind("a", "req-a", [first], 3)
+    assert bm.allocate_slots(first, first.num_tokens)
+    bm.commit_step()
+    followers = [bm.reserve(f"f{i}", prompt, 3, 1, expires_at=1e9) for i in range(6)]
+    assert all(f is not None and f.blocks == 1 and len(f.pinned) == 2 for f in followers[:5])
+    assert followers[5] is None  # 3 in use + 5 held back: all 8 promised
+    assert bm.reserved_blocks == 8 == bm.peak_reserved == bm.num_blocks
+    for i in range(5):
+        bm.release(f"f{i}")
+    assert bm.reserved_blocks == 3 and bm.held_back == 0
+    bm.free(first)
+    bm.release("a")
+    assert bm.reserved_blocks == 0 and bm.num_free_blocks == 8
+
+
 def test_unleased_work_cannot_take_held_back_blocks():
     bm = BlockManager(10, BS)
     bm.reserve("a", list(range(10)), 14, 1, expires_at=1e9)  # 6 blocks held back
