@@ -24,7 +24,12 @@ import meshserve
 from meshserve.api.errors import APIError, bad_request, error_body
 from meshserve.api.json_body import parse, read_json
 from meshserve.api.limits import COMPLETIONS_DEFAULT_MAX_TOKENS, resolve_max_tokens
-from meshserve.api.middleware import RequestContextMiddleware, install_error_handlers
+from meshserve.api.middleware import (
+    SERVER_KEEP_ALIVE_S,
+    UPSTREAM_KEEP_ALIVE_S,
+    RequestContextMiddleware,
+    install_error_handlers,
+)
 from meshserve.api.protocol import ChatCompletionRequest, CompletionRequest
 from meshserve.api.sse import (
     EventStreamResponse,
@@ -56,7 +61,8 @@ class Gateway:
     async def start(self) -> None:
         cfg = self.config
         # No pool limit: concurrency is the admission queue's and the replicas' business.
-        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), raise_for_status=False)
+        self.session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=UPSTREAM_KEEP_ALIVE_S), raise_for_status=False)
         self.replicas = ReplicaSet(cfg, self.session)
         self.metrics = GatewayMetrics(lambda: self.replicas.replicas, lambda: self.admission.waiting)
         self.reserver = Reserver(self.session, cfg)
@@ -317,7 +323,7 @@ async def serve(config: GatewayConfig) -> int:
     try:
         server = uvicorn.Server(uvicorn.Config(build_app(gateway), host=config.host, port=config.port,
                                                log_level=config.log_level, lifespan="off",
-                                               timeout_graceful_shutdown=30))
+                                               timeout_keep_alive=SERVER_KEEP_ALIVE_S, timeout_graceful_shutdown=30))
         logger.info("gateway on http://%s:%d in front of %s (policy %s)", config.host, config.port,
                     ", ".join(config.backends), config.policy)
         await server.serve()

@@ -50,6 +50,7 @@ async def _serve(client: EngineClient, metrics: ServerMetrics, config: ServerCon
                  engine_config: dict) -> int:
     import uvicorn
 
+    from meshserve.api.middleware import SERVER_KEEP_ALIVE_S
     from meshserve.server.app import build_app
     from meshserve.server.serving import ServingContext
 
@@ -58,7 +59,7 @@ async def _serve(client: EngineClient, metrics: ServerMetrics, config: ServerCon
     app = build_app(ctx, metrics, engine_config)
     server = uvicorn.Server(uvicorn.Config(
         app, host=config.host, port=config.port, log_level=config.log_level, lifespan="off",
-        timeout_graceful_shutdown=config.drain_timeout))
+        timeout_keep_alive=SERVER_KEEP_ALIVE_S, timeout_graceful_shutdown=config.drain_timeout))
     # uvicorn handles SIGTERM (stop accepting, let running requests finish within the drain timeout)
     # and re-raises it when done; by then the shutdown was orderly, so it must not kill us.
     signal.signal(signal.SIGTERM, lambda *_: None)

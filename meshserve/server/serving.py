@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import hashlib
+import logging
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -35,6 +36,8 @@ from meshserve.server.engine_client import (
     EngineRequestFailed,
 )
 from meshserve.server.server_config import ServerConfig
+
+logger = logging.getLogger(__name__)
 
 # Tokenize long texts off the event loop so one huge prompt does not stall every other stream.
 _THREAD_TOKENIZE_CHARS = 20_000
@@ -269,6 +272,11 @@ async def sse_stream(chunks: AsyncIterator[dict], outputs: AsyncIterator[Request
             yield sse_event(obj)
     except (EngineDeadError, EngineRejectedError, EngineRequestFailed) as exc:
         yield sse_event(error_body(500, f"generation failed after the stream started: {exc}",
+                                   code="partial_stream_failure", request_id=request_id))
+    except Exception as exc:  # a bug here must still end the stream with its error, not cut it
+        logger.error("a stream failed after it started (%s)", type(exc).__name__,
+                     exc_info=logger.isEnabledFor(logging.DEBUG))  # the message may quote the text
+        yield sse_event(error_body(500, f"generation failed after the stream started: {type(exc).__name__}",
                                    code="partial_stream_failure", request_id=request_id))
     finally:
         await chunks.aclose()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from http.client import HTTPConnection
 
 import httpx
 import pytest
@@ -293,3 +294,20 @@ def test_concurrent_streams_each_get_their_own_answer(server):
             return await asyncio.gather(*(one(client, p) for p in prompts))
 
     assert asyncio.run(run()) == [echo(p, 20) for p in prompts]
+
+
+def test_an_idle_keep_alive_connection_outlives_the_clients_pools(server):
+    """httpx's pool reuses a connection idle for up to 5 s (aiohttp's, 15 s): a server that closes it
+    first races the client's next request on it, which then fails. Ours keeps it open longer."""
+    host, port = server.url.split("://")[1].split(":")
+    conn = HTTPConnection(host, int(port), timeout=10)
+    try:
+        for _ in range(2):
+            conn.request("GET", "/health")
+            r = conn.getresponse()
+            assert r.status == 200 and json.loads(r.read())["status"] == "ok"
+            sock = conn.sock
+            time.sleep(6)  # idle past uvicorn's default keep-alive (5 s)
+        assert conn.sock is sock  # one connection throughout: never closed, never reopened
+    finally:
+        conn.close()

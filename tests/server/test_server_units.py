@@ -1,6 +1,8 @@
 """Pieces of the server tested without processes: output deltas, the engine loop, settings, errors."""
 from __future__ import annotations
 
+import asyncio
+import json
 import multiprocessing as mp
 import threading
 import time
@@ -9,11 +11,14 @@ import pytest
 from server_fake_engine import FakeEngine
 
 from meshserve.api.errors import from_value_error
+from meshserve.api.sse import DONE, sse_event
 from meshserve.engine.messages import AddRequest
 from meshserve.engine.output import RequestState
 from meshserve.sampling_params import SamplingParams
+from meshserve.server.engine_client import EngineDeadError
 from meshserve.server.engine_core import EngineLoop
 from meshserve.server.server_config import ServerConfig
+from meshserve.server.serving import sse_stream
 
 
 class _Tok:
@@ -112,3 +117,31 @@ def test_value_errors_name_their_parameter():
     assert (err.status, err.param) == (400, "max_tokens")
     assert from_value_error(ValueError("prompt must not be empty")).param == "prompt"
     assert from_value_error(ValueError("the KV cache is full")).param is None
+
+
+@pytest.mark.parametrize("failure", [EngineDeadError("engine 0 stopped"), RuntimeError("a bug in a view")])
+def test_a_stream_that_fails_after_it_started_ends_with_its_error_and_done(failure):
+    """Whatever breaks mid-stream (the engine, or the server's own code), the client gets the error
+    event and [DONE], never a connection cut in the middle of the body; the outputs are closed."""
+    closed = []
+
+    async def chunks():
+        yield {"choices": [{"text": "partial"}]}
+        raise failure
+
+    async def outputs():
+        try:
+            yield None
+        finally:
+            closed.append(True)
+
+    async def collect() -> list[bytes]:
+        out = outputs()
+        await out.__anext__()
+        return [b async for b in sse_stream(chunks(), out, "req-1", lambda: "running=0")]
+
+    events = asyncio.run(collect())
+    assert events[0] == sse_event({"choices": [{"text": "partial"}]})
+    error = json.loads(events[1][len(b"data: "):])["error"]
+    assert error["code"] == "partial_stream_failure" and error["request_id"] == "req-1"
+    assert events[-1] == DONE and closed == [True]
