@@ -11,6 +11,7 @@ from typing import Sequence
 import aiohttp
 import numpy as np
 
+from meshserve.api.middleware import UPSTREAM_KEEP_ALIVE_S
 from meshserve.bench import environment
 from meshserve.bench.arrivals import arrival_offsets, paced
 from meshserve.bench.client import OpenAIStreamClient, RequestRecord
@@ -44,9 +45,10 @@ class Benchmark:
 
     async def __aenter__(self) -> "Benchmark":
         key = self.config.api_key
-        # limit=0: aiohttp's default pool of 100 connections would silently cap concurrency.
+        # limit=0: aiohttp's default pool of 100 connections would silently cap concurrency; idle
+        # connections go before a server with uvicorn's 5 s keep-alive closes them under a request.
         self._session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0),
+            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=UPSTREAM_KEEP_ALIVE_S),
             timeout=aiohttp.ClientTimeout(total=self.config.request_timeout_s),
             headers={"Authorization": f"Bearer {key}"} if key else None,
         )
