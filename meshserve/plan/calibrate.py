@@ -53,6 +53,9 @@ class Calibration:
     # and the stretch between that neither peak figure describes.
     gemm_profile: list[list[float]] | None = None
     attention_flops: float | None = None  # causal prefill attention (SDPA), FLOP/s
+    # The engine's decode attention over a paged cache (QK^T and AV FLOP/s, its cache reads
+    # included): on a CPU the C++ kernel, which neither the prefill rate nor bandwidth describes.
+    decode_attention_flops: float | None = None
     op_overhead_s: float | None = None    # host time of one small kernel call, not hidden by compute
     # The engine's fixed costs on a CPU, from one-row decode steps of a tiny-width model on its own
     # model runner: per step (embedding, packing, LM head and sampler calls) and per decoder layer.
@@ -72,14 +75,15 @@ class Calibration:
             inter_node_latency_s=self.allreduce_latency_s,
             gpus_per_node=self.devices, measured=True,
             gemm_profile=tuple((int(r), float(t)) for r, t in self.gemm_profile or ()),
-            attention_flops=self.attention_flops, op_overhead_s=self.op_overhead_s or 0.0,
+            attention_flops=self.attention_flops, decode_attention_flops=self.decode_attention_flops,
+            op_overhead_s=self.op_overhead_s or 0.0,
             step_overhead_s=self.step_overhead_s, layer_overhead_s=self.layer_overhead_s,
             is_cpu=self.device == "cpu",
             notes=f"measured on {self.device} ({self.matmul_dtype} matmul, {self.threads} threads) "
                   f"at {self.measured_at}")
 
 
-_RATES = ("matmul_flops", "memory_bandwidth", "allreduce_bandwidth", "attention_flops")
+_RATES = ("matmul_flops", "memory_bandwidth", "allreduce_bandwidth", "attention_flops", "decode_attention_flops")
 _TIMES = ("allreduce_latency_s", "op_overhead_s", "step_overhead_s", "layer_overhead_s")
 
 
@@ -244,6 +248,39 @@ def measure_attention_flops(device: str, dtype, tokens: int = 512, heads: int = 
     with torch.inference_mode():
         return flops / _typical_time(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True),
                                   repeats, _sync(device), clock)
+
+
+def measure_decode_attention_flops(dtype, seqs: int = 32, context: int = 320, heads: int = 8, kv_heads: int = 2,
+                                   head_dim: int = 64, block: int = 16, repeats: int = 5,
+                                   clock: Clock = time.perf_counter) -> float | None:
+    """One decode step's attention through the engine's CPU kernel: `seqs` queries, each over
+    `context` tokens of a paged cache whose blocks are scattered, as a served batch's are. The
+    caches of several layers are cycled through, more than the caches hold, as a model's layers
+    are. None where the kernel does not run (no compiler, a GPU)."""
+    import torch
+
+    from meshserve.layers import cpu_kernels
+
+    g = torch.Generator().manual_seed(0)
+    per_seq = -(-context // block)
+    num_blocks = seqs * per_seq
+    layer_bytes = 2 * num_blocks * block * kv_heads * head_dim * torch.finfo(dtype).bits // 8
+    layers = [(torch.randn(num_blocks, block, kv_heads, head_dim, generator=g).to(dtype),
+               torch.randn(num_blocks, block, kv_heads, head_dim, generator=g).to(dtype))
+              for _ in range(-(-streamed_bytes("cpu", 64 << 20) // layer_bytes))]
+    q = torch.randn(seqs, heads, head_dim, generator=g).to(dtype)
+    if not cpu_kernels.usable(q, layers[0][0]):
+        return None
+    tables = torch.randperm(num_blocks, generator=g).view(seqs, per_seq)
+    lens = torch.full((seqs,), context, dtype=torch.long)
+
+    def step() -> None:
+        for k, v in layers:
+            cpu_kernels.paged_decode(q, k, v, tables, lens, head_dim ** -0.5)
+
+    flops = 2 * 2 * head_dim * heads * seqs * context * len(layers)
+    with torch.inference_mode():
+        return flops / _typical_time(step, repeats, lambda: None, clock)
 
 
 def measure_op_overhead(device: str, ops: int = 200, repeats: int = 5, clock: Clock = time.perf_counter) -> float:
@@ -417,6 +454,7 @@ def calibrate(path: str | Path | None = None, *, threads: int | None = None,
             allreduce_latency_s=alpha, allreduce_bandwidth=beta,
             gemm_profile=measure_gemm_profile(device, dtype, clock=clock),
             attention_flops=measure_attention_flops(device, dtype, clock=clock),
+            decode_attention_flops=None if cuda else measure_decode_attention_flops(dtype, clock=clock),
             op_overhead_s=measure_op_overhead(device, clock=clock),
             step_overhead_s=step_overhead, layer_overhead_s=layer_overhead,
             memory_bytes=_memory_bytes(device),

@@ -112,6 +112,7 @@ class GPUSpec:
     # linear layer by row count, causal attention FLOP/s, host seconds per kernel call.
     gemm_profile: tuple[tuple[int, float], ...] = ()
     attention_flops: float | None = None
+    decode_attention_flops: float | None = None  # the engine's paged decode kernel, cache reads included
     op_overhead_s: float = 0.0
     step_overhead_s: float | None = None  # the engine's own fixed costs (CPU calibration)
     layer_overhead_s: float | None = None

@@ -24,9 +24,10 @@ Measured profile (`meshserve plan --calibrate` on the machine itself, dense mode
 are lower bounds that a CPU misses by 1.5-3x, since with tens of rows neither the weight stream nor
 the arithmetic runs at its peak and the two do not overlap. The calibration times the engine's own
 linear layer at 1 to 1,024 rows, and a layer then costs weight bytes x measured seconds per byte at
-its row count (the LM head at the sampled rows); attention adds cache bytes / BW and its FLOPs at
-the measured causal-attention rate; each layer's OPS_PER_LAYER kernel calls pay the measured host
-time per call.
+its row count (the LM head at the sampled rows); prompt attention adds cache bytes / BW and its
+FLOPs at the measured causal-attention rate, decode attention its FLOPs at the measured rate of the
+engine's paged decode kernel (cache reads included; where unmeasured, as prompt attention); each
+layer's OPS_PER_LAYER kernel calls pay the measured host time per call.
 MoE routing: b tokens choosing k of E experts uniformly touch E(1 - (1 - k/E)^b) experts.
 Expert parallelism (EP = TP ranks per stage, experts split whole): in each MoE layer a rank routes
 its b/N tokens and sends one row of `hidden` activations per (token, expert) pair whose expert lives
@@ -206,27 +207,36 @@ class PerfModel:
         size = tokens * self.spec.hidden_size * self.act_bytes
         return p2p_time(size, self.links.p2p_latency_s, self.links.p2p_bandwidth)
 
-    def _phases(self, stage: StageShard, tokens: float, pairs: float, head_tokens: float,
-                kv_tokens: float) -> float:
-        """Linear-layer phase + attention phase for `tokens` new tokens attending over `pairs`
-        query-key pairs, `kv_tokens` cache entries moved: each a roofline, or with a measured
+    def _phases(self, stage: StageShard, tokens: float, prompt_pairs: float, decode_pairs: float,
+                head_tokens: float, prompt_tokens: float) -> float:
+        """Linear-layer phase + attention phase for `tokens` new tokens: `prompt_tokens` of them
+        prompt tokens with `prompt_pairs` causal query-key pairs (their K/V written), the rest
+        decodes over `decode_pairs` cached tokens in all (read). Each a roofline, or with a measured
         profile (`meshserve plan --calibrate`) the measured costs."""
         skew = self.rank_imbalance(tokens)
         touched = experts_touched_fraction(self.spec, tokens, self.ep, skew)
         body_bytes = (stage.dense_read + stage.experts * touched) * self.weight_bytes
         head_bytes = stage.head * self.weight_bytes
-        kv_bytes = kv_tokens * stage.kv_entries * self.kv_bytes
-        attn_flops = pairs * self._attn_flops_per_ctx_token(stage)
+        kv_bytes_per_token = stage.kv_entries * self.kv_bytes
+        flops_per_pair = self._attn_flops_per_ctx_token(stage)
         per_byte = self.gpu.linear_seconds_per_byte(tokens)
         if per_byte is not None and not self.spec.is_moe:
             # Each linear layer costs what the profile measured for its row count (the LM head
-            # has only the sampled rows); the cache reads and attention arithmetic add up, and
-            # every kernel call pays the host's launch time.
+            # has only the sampled rows); the cache traffic and attention arithmetic add up, the
+            # decodes' at the engine's measured decode-kernel rate where there is one, and every
+            # kernel call pays the host's launch time.
             linear = body_bytes * per_byte + head_bytes * (self.gpu.linear_seconds_per_byte(head_tokens) or 0.0)
-            attention = kv_bytes / self.bandwidth + attn_flops / (self.gpu.attention_flops or self.flops)
+            prefill_rate = self.gpu.attention_flops or self.flops
+            attention = prompt_tokens * kv_bytes_per_token / self.bandwidth + prompt_pairs * flops_per_pair / prefill_rate
+            if self.gpu.decode_attention_flops:
+                attention += decode_pairs * flops_per_pair / self.gpu.decode_attention_flops
+            else:
+                attention += decode_pairs * (kv_bytes_per_token / self.bandwidth + flops_per_pair / prefill_rate)
             return linear + attention + self._activation_traffic(stage, tokens) + self._fixed_costs(stage)
         linear_flops = (2 * tokens * (stage.active + (skew - 1) * stage.experts_active)
                         + 2 * head_tokens * stage.head)
+        kv_bytes = (prompt_tokens + decode_pairs) * kv_bytes_per_token
+        attn_flops = (prompt_pairs + decode_pairs) * flops_per_pair
         return (max((body_bytes + head_bytes) / self.bandwidth, linear_flops / self.flops)
                 + max(kv_bytes / self.bandwidth, attn_flops / self.flops))
 
@@ -247,7 +257,7 @@ class PerfModel:
     def decode_stage_parts(self, stage: StageShard, batch: float, context: float) -> dict[str, float]:
         """A decode step of one stage by kind, as the engine's per-rank timing splits it."""
         dispatch, combine = self._expert_exchange(stage, batch)
-        return {"compute": self._phases(stage, batch, batch * context, batch, batch * context),
+        return {"compute": self._phases(stage, batch, 0.0, batch * context, batch, 0.0),
                 "all_reduce": self._allreduces(stage, batch),
                 "all_to_all_dispatch": dispatch, "all_to_all_combine": combine}
 
@@ -277,7 +287,7 @@ class PerfModel:
         query-key pairs) and the next token of `decodes` sequences over `decode_context` cached
         tokens in all; logits for the `sampled` rows (decodes and prompts that end in the step)."""
         tokens = prompt_tokens + decodes
-        return (self._phases(stage, tokens, prompt_pairs + decode_context, sampled, prompt_tokens + decode_context)
+        return (self._phases(stage, tokens, prompt_pairs, decode_context, sampled, prompt_tokens)
                 + self._allreduces(stage, tokens) + sum(self._expert_exchange(stage, tokens)))
 
     def mixed_step_time(self, prompt_tokens: int, prompt_pairs: float, sampled: int, decodes: int,
