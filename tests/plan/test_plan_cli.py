@@ -99,6 +99,8 @@ def test_calibrate_caches_and_this_machine_reuses_it(capsys, tmp_path):
     # More rows share each weight byte's read, up to the point where arithmetic binds.
     assert saved["gemm_profile"][-1][1] / saved["gemm_profile"][0][1] < rows[-1]
     assert saved["attention_flops"] > 0 and saved["op_overhead_s"] > 0
+    # The engine's own decode kernel, with its cache reads, is slower per FLOP than prefill attention.
+    assert 0 < saved["decode_attention_flops"] < saved["attention_flops"]
     # The engine's own fixed costs: a one-row decode step of a tiny model costs something per layer.
     assert saved["layer_overhead_s"] > 0 and saved["step_overhead_s"] >= 0
     assert doc["gpu"]["name"] == "this-machine" and doc["gpu"]["measured"]
@@ -108,7 +110,8 @@ def test_calibrate_caches_and_this_machine_reuses_it(capsys, tmp_path):
                               "--model", "SmolLM2-135M", "--weight-dtype", "fp32"])
     assert again["gpu"] == doc["gpu"]
     # A calibration saved before the profile existed still loads, and plans by the rooflines.
-    for key in ("gemm_profile", "attention_flops", "op_overhead_s", "step_overhead_s", "layer_overhead_s"):
+    for key in ("gemm_profile", "attention_flops", "decode_attention_flops", "op_overhead_s", "step_overhead_s",
+                "layer_overhead_s"):
         saved.pop(key)
     cache.write_text(json.dumps(saved))
     old = run_json(capsys, ["plan", "--gpu", "this-machine", "--calibration-file", str(cache),

@@ -292,6 +292,18 @@ def test_a_measured_profile_replaces_the_roofline_for_dense_models():
     # Prefill: the head computes one row, the body all 256.
     body = stage.dense_read * 4 * gpu.linear_seconds_per_byte(256)
     assert profiled.prefill_time(256) > body + stage.head * 4 * gpu.linear_seconds_per_byte(1)
+    # The engine's decode kernel, measured (its cache reads included), replaces cache bytes over
+    # bandwidth and FLOPs at the prefill rate for the decodes, and only for them.
+    kernel = make_perf_model(spec, _profiled_cpu(decode_attention_flops=15e9), 1, 1, weight_dtype="fp32",
+                             kv_dtype="fp32", gpus_per_node=1, compute_efficiency=1.0)
+    attention = 8 * 300 * (stage.kv_entries * 4 / gpu.hbm_bandwidth
+                           + profiled._attn_flops_per_ctx_token(stage) / gpu.attention_flops)
+    measured_attention = 8 * 300 * profiled._attn_flops_per_ctx_token(stage) / 15e9
+    assert kernel.decode_step_time(8, 300) == pytest.approx(expected - attention + measured_attention)
+    assert kernel.prefill_time(256) == pytest.approx(profiled.prefill_time(256))
+    mixed = (64, 64 * 65 / 2, 9, 8, 8 * 300)  # a 64-token prompt beside 8 decodes
+    assert kernel.mixed_step_time(*mixed) == pytest.approx(
+        profiled.mixed_step_time(*mixed) - attention + measured_attention)
 
 
 def test_median_ttft_skips_the_queue_until_half_the_time_is_prefill():
