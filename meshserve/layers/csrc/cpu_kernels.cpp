@@ -11,6 +11,9 @@
 #include <cstring>
 #include <limits>
 #include <vector>
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
 
 using bf16 = at::BFloat16;
 
@@ -73,6 +76,31 @@ static inline const float* as_float(const bf16* src, float* scratch, int64_t n) 
   return scratch;
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+// Eight keys' dot products with one query at once (keys `row` floats apart): eight independent
+// chains of FMAs, then one transposing reduction for all eight sums, where a dot product at a time
+// waits on its own chain and reduces its vector alone.
+static inline void dot8(const float* q, const float* k, int64_t row, int64_t D, float scale, float* out) {
+  __m256 a[8];
+  for (int t = 0; t < 8; ++t) a[t] = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= D; i += 8) {
+    const __m256 qv = _mm256_loadu_ps(q + i);
+    for (int t = 0; t < 8; ++t) a[t] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + t * row + i), a[t]);
+  }
+  const __m256 s0123 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  const __m256 s4567 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  __m256 sum = _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
+  if (i < D) {  // a head size that is not a multiple of 8
+    alignas(32) float tail[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    for (int t = 0; t < 8; ++t)
+      for (int64_t r = i; r < D; ++r) tail[t] += q[r] * k[t * row + r];
+    sum = _mm256_add_ps(sum, _mm256_load_ps(tail));
+  }
+  _mm256_storeu_ps(out, _mm256_mul_ps(sum, _mm256_set1_ps(scale)));
+}
+#endif
+
 // The decode attention proper; HD > 0 fixes the head size at compile time (fully unrolled inner
 // loops for the common sizes), HD == 0 takes it at run time.
 template <int64_t HD, typename T>
@@ -100,7 +128,11 @@ static void paged_decode_impl(const T* qp, const T* kp, const T* vp, T* op, cons
           const float* qh = qb.data() + h * D;
           const float* kh = kb + (h / G) * D;
           float* ph = p.data() + h * L + t0;
-          for (int64_t j = 0; j < n; ++j) {
+          int64_t j0 = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+          for (; j0 + 8 <= n; j0 += 8) dot8(qh, kh + j0 * row, row, D, fscale, ph + j0);
+#endif
+          for (int64_t j = j0; j < n; ++j) {
             float acc = 0.f;
 #pragma omp simd reduction(+ : acc)
             for (int64_t i = 0; i < D; ++i) acc += qh[i] * kh[j * row + i];
