@@ -6,8 +6,8 @@ ignore_eos, greedy; Poisson arrivals at each --rates value (32 requests each) an
 (64 requests). Goodput SLO: TTFT 2 s, TPOT 100 ms. Then, per engine, `meshserve bench sweep` finds the
 highest offered rate that still meets the SLO for 95% of requests.
 
-Both servers run side by side and take turns at each load (the order alternates from load to
-load), so a slow spell of a shared machine falls on both. Every load sends its own prompts, the
+Both servers run side by side and take turns at each load and at each point of the sweeps (the
+order alternates from one to the next), so a slow spell of a shared machine falls on both. Every load sends its own prompts, the
 same for both engines: a replayed prompt would be a prefix-cache hit, not a prefill.
 
     python benchmarks/serving_latency.py --vllm-python /opt/vllm-venv/bin/python
@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from meshserve.bench.config import BenchConfig, DatasetConfig, LoadConfig, parse_csv_floats
 from meshserve.bench.launch import LaunchedServer, free_port
 from meshserve.bench.runner import Benchmark
-from meshserve.bench.sweep import SweepConfig, run_sweep
+from meshserve.bench.sweep import SweepConfig, SweepPlan, measure_point, sweep_result
 from meshserve.plan.calibrate import average_calibrations
 
 SERVED_NAME = "smollm2"
@@ -105,7 +105,11 @@ def bench_config(a: argparse.Namespace, url: str, num_prompts: int) -> BenchConf
                        dataset=DatasetConfig(num_prompts=num_prompts, input_len=a.input_len,
                                              output_len=a.output_len, seed=a.seed),
                        percentiles=(50.0, 95.0, 99.0),
-                       goodput={"ttft": a.slo_ttft_ms, "tpot": a.slo_tpot_ms})
+                       goodput=slos(a))
+
+
+def slos(a: argparse.Namespace) -> dict[str, float]:
+    return {"ttft": a.slo_ttft_ms, "tpot": a.slo_tpot_ms}
 
 
 SWEEP_SEED_OFFSET = 100  # the sweep's prompts: none of the loads' (offsets 0, 1, ...)
@@ -131,15 +135,30 @@ async def measure(a: argparse.Namespace, found: list[Engine], urls: list[str], p
                 planned[rate] = planner_point(a, rate, average_calibrations(cals))
             print(f"  {engine.name} at {rate:g} req/s: {summary(result)} (load average {os.getloadavg()[0]:.1f})",
                   file=sys.stderr, flush=True)
-    if a.no_sweep:
-        return
-    for engine, url in zip(found, urls):
-        if not engine.sweep_it:
-            continue
-        async with Benchmark(bench_config(a, url, a.num_prompts)) as bench:
-            sweep = SweepConfig("rate", parse_csv_floats(a.sweep_rates, "--sweep-rates"), refine_steps=2)
-            engine.sweep = await run_sweep(bench, sweep, seed_offset=SWEEP_SEED_OFFSET)
-        engine.sweep.pop("environment", None)
+    if not a.no_sweep:
+        await sweep_in_turns(a, [(e, url) for e, url in zip(found, urls) if e.sweep_it])
+
+
+async def sweep_in_turns(a: argparse.Namespace, turns: list[tuple[Engine, str]]) -> None:
+    """Each engine's sweep (`meshserve bench sweep`), the engines taking turns at every point (the
+    order alternating), as at the loads: run one after the other, a slow spell of the machine
+    during one engine's sweep moved its answer by a whole step of the rate grid."""
+    sweep = SweepConfig("rate", parse_csv_floats(a.sweep_rates, "--sweep-rates"), refine_steps=2)
+    plans = {engine.name: SweepPlan(sweep) for engine, _ in turns}
+    rounds = 0
+    while any(plan.next_load() is not None for plan in plans.values()):
+        for engine, url in turns if rounds % 2 == 0 else turns[::-1]:
+            plan = plans[engine.name]
+            if (rate := plan.next_load()) is None:
+                continue
+            async with Benchmark(bench_config(a, url, a.num_prompts)) as bench:
+                point = await measure_point(bench, sweep, rate, SWEEP_SEED_OFFSET + len(plan.points))
+            plan.record(point)
+            print(f"  {engine.name} sweep at {rate:g} req/s: SLO met by {point['result']['slo_attainment']:.0%} "
+                  f"({summary(point['result'])})", file=sys.stderr, flush=True)
+        rounds += 1
+    for engine, _ in turns:
+        engine.sweep = sweep_result(plans[engine.name], slos(a), None)
         print(f"  {engine.name}: highest rate meeting the SLO {engine.sweep['max_load_meeting_slo']}",
               file=sys.stderr, flush=True)
 

@@ -67,45 +67,73 @@ def _midpoint(kind: str, lo: float, hi: float) -> float | None:
     return (lo + hi) / 2
 
 
-async def run_sweep(bench: Benchmark, sweep: SweepConfig,
-                    on_point: Callable[[dict], None] = lambda p: None, seed_offset: int = 0) -> dict:
-    """Each load point sends a fresh draw of the dataset (seed + point index + `seed_offset`):
-    replaying one set would let every point after the first find its prompts in the prefix cache."""
+class SweepPlan:
+    """The loads a sweep measures, one at a time: the configured loads in rising order until one
+    fails (all of them with full_curve), then `refine_steps` bisections between the highest load
+    passed and the lowest failed above it. Several plans can be driven in turns (engines compared
+    on one machine take turns at each point, so a slow spell falls on both)."""
+
+    def __init__(self, sweep: SweepConfig) -> None:
+        self.sweep = sweep
+        self.points: list[dict] = []
+        self._grid = list(sweep.loads)
+        self._refinements = 0
+
+    def next_load(self) -> float | None:
+        """The load to measure next; None once the sweep is done."""
+        if self._grid:
+            return self._grid[0]
+        if self._refinements >= self.sweep.refine_steps:
+            return None
+        lo = knee(self.points)
+        above = [p["load"] for p in self.points if not p["passed"] and (lo is None or p["load"] > lo)]
+        if lo is None or not above:
+            return None
+        return _midpoint(self.sweep.kind, lo, min(above))
+
+    def record(self, point: dict) -> None:
+        self.points.append(point)
+        if self._grid and point["load"] == self._grid[0]:
+            self._grid.pop(0)
+            if not point["passed"] and not self.sweep.full_curve:
+                self._grid.clear()
+        else:
+            self._refinements += 1
+
+
+async def measure_point(bench: Benchmark, sweep: SweepConfig, value: float, seed_offset: int) -> dict:
+    """One load point: a fresh draw of the dataset (`seed_offset`) at load `value`, passed or not."""
     cfg: BenchConfig = bench.config
     if not cfg.goodput:
         raise ValueError("a sweep needs --goodput SLOs, e.g. --goodput ttft:1500 tpot:80")
-    points: list[dict] = []
+    requests = await bench.load_requests(seed_offset)
+    result = await bench.run(requests, load_at(cfg.load, sweep.kind, value), label=f"{sweep.kind}={value:g}")
+    result.pop("per_request")
+    result.pop("environment")
+    return {"load": value, "passed": result["slo_attainment"] >= sweep.attainment,
+            "attainment_target": sweep.attainment, "result": result}
 
-    async def measure(value: float) -> dict:
-        requests = await bench.load_requests(seed_offset + len(points))
-        result = await bench.run(requests, load_at(cfg.load, sweep.kind, value),
-                                 label=f"{sweep.kind}={value:g}")
-        result.pop("per_request")
-        result.pop("environment")
-        point = {"load": value, "passed": result["slo_attainment"] >= sweep.attainment,
-                 "attainment_target": sweep.attainment, "result": result}
-        points.append(point)
-        on_point(point)
-        return point
 
-    for value in sweep.loads:
-        if not (await measure(value))["passed"] and not sweep.full_curve:
-            break
-    for _ in range(sweep.refine_steps):
-        lo = knee(points)
-        above = [p["load"] for p in points if not p["passed"] and (lo is None or p["load"] > lo)]
-        if lo is None or not above:
-            break
-        mid = _midpoint(sweep.kind, lo, min(above))
-        if mid is None:
-            break
-        await measure(mid)
+def sweep_result(plan: SweepPlan, goodput: dict, environment: dict | None) -> dict:
+    sweep = plan.sweep
     return {
         "kind": sweep.kind,
         "load_label": sweep.label,
         "attainment_target": sweep.attainment,
-        "goodput_slos_ms": dict(cfg.goodput),
-        "max_load_meeting_slo": knee(points),
-        "points": sorted(points, key=lambda p: p["load"]),
-        "environment": await bench.environment(),
+        "goodput_slos_ms": dict(goodput),
+        "max_load_meeting_slo": knee(plan.points),
+        "points": sorted(plan.points, key=lambda p: p["load"]),
+        "environment": environment,
     }
+
+
+async def run_sweep(bench: Benchmark, sweep: SweepConfig,
+                    on_point: Callable[[dict], None] = lambda p: None, seed_offset: int = 0) -> dict:
+    """Each load point sends a fresh draw of the dataset (seed + point index + `seed_offset`):
+    replaying one set would let every point after the first find its prompts in the prefix cache."""
+    plan = SweepPlan(sweep)
+    while (value := plan.next_load()) is not None:
+        point = await measure_point(bench, sweep, value, seed_offset + len(plan.points))
+        plan.record(point)
+        on_point(point)
+    return sweep_result(plan, bench.config.goodput, await bench.environment())

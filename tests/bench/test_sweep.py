@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from meshserve.bench.sweep import SweepConfig, _midpoint, knee
+from meshserve.bench.sweep import SweepConfig, SweepPlan, _midpoint, knee
 
 from .helpers import fake_server, run_bench
 
@@ -21,6 +21,23 @@ def test_bisection_midpoints():
     assert _midpoint("rate", 2.0, 4.0) == 3.0
     assert _midpoint("concurrency", 2, 8) == 5
     assert _midpoint("concurrency", 2, 3) is None  # nothing between two neighbours
+
+
+def _drive(plan: SweepPlan, capacity: float) -> list[float]:
+    """The loads the plan asks for when every load up to `capacity` passes."""
+    asked = []
+    while (load := plan.next_load()) is not None:
+        asked.append(load)
+        plan.record({"load": load, "passed": load <= capacity})
+    return asked
+
+
+def test_sweep_plan_climbs_until_a_failure_then_bisects():
+    assert _drive(SweepPlan(SweepConfig("rate", (1.0, 2.0, 3.0, 4.0), refine_steps=2)), 2.6) == [1, 2, 3, 2.5, 2.75]
+    # A failure at the first load leaves nothing to bisect; full_curve measures every load anyway.
+    assert _drive(SweepPlan(SweepConfig("rate", (1.0, 2.0), refine_steps=2)), 0.5) == [1]
+    full = SweepPlan(SweepConfig("rate", (1.0, 2.0, 3.0), refine_steps=1, full_curve=True))
+    assert _drive(full, 1.2) == [1, 2, 3, 1.5] and knee(full.points) == 1
 
 
 def test_sweep_config_validation_and_ordering():
