@@ -4,6 +4,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import asdict, dataclass, field, fields, replace
 
+from meshserve.utils.cpuinfo import cpu_flags
+
 _DTYPES = ("float32", "bfloat16", "float16")
 _DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
 CPU_DEFAULT_KV_BYTES = 4 << 30  # like vLLM's CPU backend: 4 GiB unless told otherwise
@@ -187,11 +189,7 @@ def auto_dtype(device_type: str, bf16_supported: bool) -> tuple[str, str]:
 
 def cpu_has_amx_bf16() -> bool:
     """The CPU multiplies bfloat16 matrices on AMX tiles (Sapphire Rapids and later, on Linux)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return any(line.startswith("flags") and "amx_bf16" in line.split() for line in f)
-    except OSError:
-        return False
+    return "amx_bf16" in cpu_flags()
 
 
 def _cuda_bf16_supported(device) -> bool:

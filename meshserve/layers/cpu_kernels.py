@@ -26,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+from meshserve.utils.cpuinfo import cpu_flags
+
 logger = logging.getLogger(__name__)
 
 # decoder_stack.cpp calls the kernels of cpu_kernels.cpp: one translation unit, in this order.
@@ -40,12 +42,7 @@ _tried = False
 def _cpu_flags() -> list[str]:
     """AVX2/FMA only when this CPU has them; never -march=native, whose output a machine with
     another CPU sharing the cache directory could not run (the flags are part of the build name)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            words = next((line.split() for line in f if line.startswith("flags")), [])
-    except OSError:
-        words = []
-    return ["-mavx2", "-mfma"] if {"avx2", "fma"} <= set(words) else []
+    return ["-mavx2", "-mfma"] if {"avx2", "fma"} <= cpu_flags() else []
 
 
 def _build():
