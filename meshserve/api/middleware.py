@@ -16,11 +16,12 @@ from meshserve.api.sse import JSONBytesResponse
 
 logger = logging.getLogger(__name__)
 
-# An idle keep-alive connection is closed by the server after SERVER_KEEP_ALIVE_S and dropped by the
-# pools of our own clients (the gateway's, the benchmark's) after UPSTREAM_KEEP_ALIVE_S. A client that reuses a connection in the instant the
-# server closes it loses that request ("server disconnected"), so each server must keep connections
-# longer than its clients' pools do: aiohttp's pool keeps them 15 s, httpx's 5 s, and uvicorn's
-# default (5 s, also vLLM's and SGLang's) is what the gateway's upstreams may use.
+# An idle keep-alive connection is closed by the server after SERVER_KEEP_ALIVE_S and dropped by
+# the pools of our own clients (the gateway's, the benchmark's) after UPSTREAM_KEEP_ALIVE_S. A
+# client that reuses a connection in the instant the server closes it loses that request ("server
+# disconnected"), so a server must keep connections longer than its clients' pools do: aiohttp's
+# pool keeps them 15 s, httpx's 5 s, and uvicorn's default (5 s, also vLLM's and SGLang's) is what
+# the servers our clients talk to may use.
 SERVER_KEEP_ALIVE_S = 75
 UPSTREAM_KEEP_ALIVE_S = 4
 
