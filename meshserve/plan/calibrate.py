@@ -262,15 +262,15 @@ def measure_decode_attention_flops(dtype, seqs: int = 32, context: int = 320, he
     from meshserve.layers import cpu_kernels
 
     g = torch.Generator().manual_seed(0)
+    q = torch.randn(seqs, heads, head_dim, generator=g).to(dtype)
+    if not cpu_kernels.usable(q):  # before allocating caches larger than the last-level cache
+        return None
     per_seq = -(-context // block)
     num_blocks = seqs * per_seq
     layer_bytes = 2 * num_blocks * block * kv_heads * head_dim * torch.finfo(dtype).bits // 8
     layers = [(torch.randn(num_blocks, block, kv_heads, head_dim, generator=g).to(dtype),
                torch.randn(num_blocks, block, kv_heads, head_dim, generator=g).to(dtype))
               for _ in range(-(-streamed_bytes("cpu", 64 << 20) // layer_bytes))]
-    q = torch.randn(seqs, heads, head_dim, generator=g).to(dtype)
-    if not cpu_kernels.usable(q, layers[0][0]):
-        return None
     tables = torch.randperm(num_blocks, generator=g).view(seqs, per_seq)
     lens = torch.full((seqs,), context, dtype=torch.long)
 

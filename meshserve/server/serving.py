@@ -270,13 +270,13 @@ async def sse_stream(chunks: AsyncIterator[dict], outputs: AsyncIterator[Request
     try:
         async for obj in chunks:
             yield sse_event(obj)
-    except (EngineDeadError, EngineRejectedError, EngineRequestFailed) as exc:
-        yield sse_event(error_body(500, f"generation failed after the stream started: {exc}",
-                                   code="partial_stream_failure", request_id=request_id))
-    except Exception as exc:  # a bug here must still end the stream with its error, not cut it
-        logger.error("a stream failed after it started (%s)", type(exc).__name__,
-                     exc_info=logger.isEnabledFor(logging.DEBUG))  # the message may quote the text
-        yield sse_event(error_body(500, f"generation failed after the stream started: {type(exc).__name__}",
+    except Exception as exc:  # whatever broke, the stream ends with its error, never cut mid-body
+        if isinstance(exc, (EngineDeadError, EngineRejectedError, EngineRequestFailed)):
+            reason = str(exc)
+        else:  # a bug in the server: its message may quote the text, so only its type is told
+            reason = type(exc).__name__
+            logger.error("a stream failed after it started (%s)", reason, exc_info=logger.isEnabledFor(logging.DEBUG))
+        yield sse_event(error_body(500, f"generation failed after the stream started: {reason}",
                                    code="partial_stream_failure", request_id=request_id))
     finally:
         await chunks.aclose()
