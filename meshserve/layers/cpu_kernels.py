@@ -30,8 +30,9 @@ from meshserve.utils.cpuinfo import cpu_flags
 
 logger = logging.getLogger(__name__)
 
-# decoder_stack.cpp calls the kernels of cpu_kernels.cpp: one translation unit, in this order.
-_SOURCE_PATHS = [Path(__file__).parent / "csrc" / name for name in ("cpu_kernels.cpp", "decoder_stack.cpp")]
+# One translation unit, in this order: the later files call the earlier ones' kernels and helpers.
+_SOURCE_PATHS = [Path(__file__).parent / "csrc" / name for name in
+                 ("cpu_kernels.cpp", "paged_decode.cpp", "decoder_stack.cpp")]
 _FUNCTIONS = ["paged_decode", "rms_norm", "silu_and_mul", "rotary_", "decoder_stack"]
 
 _lock = threading.Lock()
@@ -110,12 +111,14 @@ def _kernels():
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                 context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                 context_lens: torch.Tensor, scale: float, avx512_bf16: bool = True) -> torch.Tensor:
     """q: [B, H, D]; caches: [num_blocks, block_size, KVH, D]; block_tables: [B, max_blocks];
-    context_lens: [B] tokens each sequence attends to (its new token included). Returns [B, H, D]."""
+    context_lens: [B] tokens each sequence attends to (its new token included). Returns [B, H, D].
+    bfloat16 with head size 64 or 128 takes the AVX512-BF16 path where the CPU has it, unless
+    `avx512_bf16` is False."""
     return _kernels().paged_decode(q.contiguous(), k_cache.contiguous(), v_cache.contiguous(),
                                    block_tables.to(torch.long).contiguous(),
-                                   context_lens.to(torch.long).contiguous(), float(scale))
+                                   context_lens.to(torch.long).contiguous(), float(scale), avx512_bf16)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None) -> torch.Tensor:

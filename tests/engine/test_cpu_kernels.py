@@ -101,14 +101,18 @@ def _bf16_ulps(got: torch.Tensor, expected: torch.Tensor) -> float:
     return ((got.float() - expected.float()).abs() / spacing).max().item()
 
 
-@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (8, 2, 128), (4, 4, 76)])
-def test_bf16_paged_decode_is_the_float32_attention_of_the_bf16_values(heads, kv_heads, head_dim):
-    lens = [1, 15, 17, 100, 321]
+# Group sizes 1, 3, 4 and 8 (the AVX512-BF16 path takes up to four heads of a group at a time at
+# head size 64, two at 128), and a head size only the AVX2 path takes (76).
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 64), (16, 2, 64), (8, 2, 128), (4, 4, 76)])
+@pytest.mark.parametrize("avx512_bf16", [True, False])
+def test_bf16_paged_decode_is_the_float32_attention_of_the_bf16_values(heads, kv_heads, head_dim, avx512_bf16):
+    lens = [1, 15, 16, 17, 100, 321]
     q, k_cache, v_cache, meta, lens_t = _case(lens, heads, kv_heads, "scattered", 5, head_dim)
     q, k_cache, v_cache = q.bfloat16(), k_cache.bfloat16(), v_cache.bfloat16()
     attn = PagedAttention(heads, kv_heads, head_dim)
     expected = attn._decode_torch(q.float(), k_cache.float(), v_cache.float(), meta)
-    got = cpu_kernels.paged_decode(q, k_cache, v_cache, meta.decode_block_tables, lens_t, head_dim ** -0.5)
+    got = cpu_kernels.paged_decode(q, k_cache, v_cache, meta.decode_block_tables, lens_t, head_dim ** -0.5,
+                                   avx512_bf16)
     assert got.dtype == torch.bfloat16 and got.shape == expected.shape
     assert _bf16_ulps(got, expected) <= 1.0
 
