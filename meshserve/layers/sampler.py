@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from meshserve.layers import cpu_kernels
 from meshserve.layers.host_to_device import arrays_to_device, to_device
 from meshserve.sampling_params import SamplingParams
 
@@ -89,6 +90,10 @@ class PenaltyState:
             self.seen.pop(s, None)
 
 
+def _argmax(logits: torch.Tensor) -> torch.Tensor:
+    return cpu_kernels.argmax(logits) if cpu_kernels.usable(logits) and logits.is_contiguous() else logits.argmax(-1)
+
+
 class Sampler:
     def __init__(self, seed: int = 0, device: torch.device | str = "cpu"):
         self.device = torch.device(device)
@@ -126,9 +131,11 @@ class Sampler:
                  seed_keys: list[int], histories: list | None = None) -> SamplerOutput:
         """`histories[r]`: (prompt ids, output ids) of a penalized row whose state this sampler does
         not hold yet (None otherwise); later steps need none."""
-        logits = logits.float()
         b, v = logits.shape
         want_lp = [p.logprobs for p in params]
+        if all(p.greedy and not p.has_penalties for p in params) and not any(n is not None for n in want_lp):
+            return SamplerOutput(_argmax(logits).tolist(), [None] * b)  # the argmax of the logits as computed
+        logits = logits.float()
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(n is not None for n in want_lp) else None
         penalized = any(p.has_penalties for p in params)
         if penalized:
@@ -137,7 +144,7 @@ class Sampler:
                 self.penalties.load(new, v)
             logits = _penalize(logits, params, *self.penalties.batch(seq_ids, v))
         greedy = [p.greedy for p in params]
-        tokens = logits.argmax(dim=-1) if any(greedy) else None
+        tokens = _argmax(logits) if any(greedy) else None
         if not all(greedy):  # decided on the host: no device sync
             top_k = [p.top_k if p.top_k > 0 else v for p in params]
             # Per row: temperature, greedy, top_k, top_p, min_p (one copy for the whole batch).

@@ -117,6 +117,23 @@ def test_bf16_paged_decode_is_the_float32_attention_of_the_bf16_values(heads, kv
     assert _bf16_ulps(got, expected) <= 1.0
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_argmax_is_torchs_on_ties_infinities_and_nans(dtype):
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(9, 1000, generator=g).to(dtype)
+    x[1, [10, 500]] = 9.0  # a tie: the first wins
+    x[2] = float("-inf")  # all -inf: index 0
+    x[3, 700] = float("inf")
+    x[4, [20, 900]] = float("nan")  # the first NaN, even after larger values
+    x[4, 5] = 100.0
+    x[5] = x[5].round()  # many ties among small integers
+    x[6, -1] = 50.0  # the last element
+    got = cpu_kernels.argmax(x)
+    assert got.dtype == torch.long
+    assert torch.equal(got, x.argmax(dim=-1))
+    assert got[4] == 20 and got[1] == 10
+
+
 def test_bf16_elementwise_kernels_round_float32_math_once():
     g = torch.Generator().manual_seed(7)
     x, residual = torch.randn(37, 576, generator=g).bfloat16(), torch.randn(37, 576, generator=g).bfloat16()

@@ -185,3 +185,39 @@ void rotary_(torch::Tensor x, torch::Tensor positions, torch::Tensor cos, torch:
     });
   });
 }
+
+// Per row of x [rows, V], the index of its largest value, as torch.argmax: the first of equal
+// maxima, and the first NaN where a row has one. torch's reduction keeps an index with every
+// comparison (4.7 ms for 64 x 49152 logits here); this finds the maximum with a vectorised
+// reduction and then its first position.
+torch::Tensor argmax_rows(torch::Tensor x) {
+  check_rows(x, "argmax_rows");
+  const int64_t R = x.size(0), V = x.size(1), stride = x.stride(0);
+  TORCH_CHECK(V > 0, "argmax_rows: empty rows");
+  auto out = torch::empty({R}, x.options().dtype(torch::kLong));
+  int64_t* op = out.data_ptr<int64_t>();
+  dispatch(x, "argmax_rows", [&](auto tag) {
+    using T = decltype(tag);
+    const T* xp = x.data_ptr<T>();
+    at::parallel_for(0, R, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const T* row = xp + r * stride;
+        float mx = -std::numeric_limits<float>::infinity();
+        int nan = 0;
+#pragma omp simd reduction(max : mx) reduction(| : nan)
+        for (int64_t i = 0; i < V; ++i) {
+          const float v = f32(row[i]);
+          mx = v > mx ? v : mx;
+          nan |= v != v;
+        }
+        int64_t i = 0;
+        if (nan)
+          while (f32(row[i]) == f32(row[i])) ++i;
+        else
+          while (f32(row[i]) != mx) ++i;
+        op[r] = i;
+      }
+    });
+  });
+  return out;
+}
