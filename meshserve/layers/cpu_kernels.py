@@ -35,7 +35,8 @@ logger = logging.getLogger(__name__)
 # One translation unit, in this order: the later files call the earlier ones' kernels and helpers.
 _SOURCE_PATHS = [Path(__file__).parent / "csrc" / name for name in
                  ("cpu_kernels.cpp", "paged_decode.cpp", "decoder_stack.cpp")]
-_FUNCTIONS = ["paged_decode", "rms_norm", "silu_and_mul", "rotary_", "argmax_rows", "decoder_stack"]
+_FUNCTIONS = ["paged_decode", "rms_norm", "silu_and_mul", "rotary_", "argmax_rows", "decoder_stack",
+              "allow_avx512"]
 
 _lock = threading.Lock()
 _module = None
@@ -113,14 +114,13 @@ def _kernels():
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                 context_lens: torch.Tensor, scale: float, avx512_bf16: bool = True) -> torch.Tensor:
+                 context_lens: torch.Tensor, scale: float) -> torch.Tensor:
     """q: [B, H, D]; caches: [num_blocks, block_size, KVH, D]; block_tables: [B, max_blocks];
     context_lens: [B] tokens each sequence attends to (its new token included). Returns [B, H, D].
-    bfloat16 with head size 64 or 128 takes the AVX512-BF16 path where the CPU has it, unless
-    `avx512_bf16` is False."""
+    bfloat16 with head size 64 or 128 takes the AVX512-BF16 path where the CPU has it."""
     return _kernels().paged_decode(q.contiguous(), k_cache.contiguous(), v_cache.contiguous(),
                                    block_tables.to(torch.long).contiguous(),
-                                   context_lens.to(torch.long).contiguous(), float(scale), avx512_bf16)
+                                   context_lens.to(torch.long).contiguous(), float(scale))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None) -> torch.Tensor:
@@ -143,6 +143,12 @@ def rotary_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: to
 def argmax(x: torch.Tensor) -> torch.Tensor:
     """torch.argmax(x, dim=-1) of a [rows, V] float32 or bfloat16 tensor (first maximum; first NaN)."""
     return _kernels().argmax_rows(x)
+
+
+def allow_avx512(allowed: bool) -> bool:
+    """Whether the kernels may take their AVX-512 paths where the CPU has them (the default); the
+    tests turn it off to check the AVX2 paths on such a CPU. Returns the previous setting."""
+    return _kernels().allow_avx512(allowed)
 
 
 def decoder_stack(*args):

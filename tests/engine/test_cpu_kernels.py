@@ -42,6 +42,14 @@ def kernel():
     assert cpu_kernels.available(), "the C++ kernel must build here (g++ and ninja are installed)"
 
 
+@pytest.fixture(params=["avx512", "avx2"])
+def isa(request):
+    """Runs a test on the kernels' AVX-512 paths (where this CPU has them) and on the AVX2 ones."""
+    previous = cpu_kernels.allow_avx512(request.param == "avx512")
+    yield request.param
+    cpu_kernels.allow_avx512(previous)
+
+
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (9, 3), (8, 2)])  # GQA ratios 1, 3 and 4
 @pytest.mark.parametrize("table_kind", ["scattered", "shared_prefix", "padded"])
 # The two compiled-in sizes, and run-time ones with a tail past the 16-column value chunks (72) and
@@ -104,15 +112,13 @@ def _bf16_ulps(got: torch.Tensor, expected: torch.Tensor) -> float:
 # Group sizes 1, 3, 4 and 8 (the AVX512-BF16 path takes up to four heads of a group at a time at
 # head size 64, two at 128), and a head size only the AVX2 path takes (76).
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 64), (16, 2, 64), (8, 2, 128), (4, 4, 76)])
-@pytest.mark.parametrize("avx512_bf16", [True, False])
-def test_bf16_paged_decode_is_the_float32_attention_of_the_bf16_values(heads, kv_heads, head_dim, avx512_bf16):
+def test_bf16_paged_decode_is_the_float32_attention_of_the_bf16_values(heads, kv_heads, head_dim, isa):
     lens = [1, 15, 16, 17, 100, 321]
     q, k_cache, v_cache, meta, lens_t = _case(lens, heads, kv_heads, "scattered", 5, head_dim)
     q, k_cache, v_cache = q.bfloat16(), k_cache.bfloat16(), v_cache.bfloat16()
     attn = PagedAttention(heads, kv_heads, head_dim)
     expected = attn._decode_torch(q.float(), k_cache.float(), v_cache.float(), meta)
-    got = cpu_kernels.paged_decode(q, k_cache, v_cache, meta.decode_block_tables, lens_t, head_dim ** -0.5,
-                                   avx512_bf16)
+    got = cpu_kernels.paged_decode(q, k_cache, v_cache, meta.decode_block_tables, lens_t, head_dim ** -0.5)
     assert got.dtype == torch.bfloat16 and got.shape == expected.shape
     assert _bf16_ulps(got, expected) <= 1.0
 
@@ -134,7 +140,7 @@ def test_argmax_is_torchs_on_ties_infinities_and_nans(dtype):
     assert got[4] == 20 and got[1] == 10
 
 
-def test_bf16_elementwise_kernels_round_float32_math_once():
+def test_bf16_elementwise_kernels_round_float32_math_once(isa):
     g = torch.Generator().manual_seed(7)
     x, residual = torch.randn(37, 576, generator=g).bfloat16(), torch.randn(37, 576, generator=g).bfloat16()
     w = torch.randn(576, generator=g).bfloat16()
@@ -197,7 +203,7 @@ def _rms_ref(x, w, eps):
 
 
 @pytest.mark.parametrize("rows", [1, 5, 300])
-def test_rms_norm_with_and_without_residual(rows):
+def test_rms_norm_with_and_without_residual(rows, isa):
     g = torch.Generator().manual_seed(rows)
     wide = torch.randn(rows, 2 * 576, generator=g)
     x = wide[:, 100:676]  # rows with a stride, as a slice of a larger output
@@ -222,7 +228,7 @@ def test_rms_norm_module_paths_agree(monkeypatch):
     torch.testing.assert_close(fused_out, plain_out)
 
 
-def test_silu_and_mul_matches_torch_including_extremes():
+def test_silu_and_mul_matches_torch_including_extremes(isa):
     g = torch.Generator().manual_seed(1)
     gate_up = torch.randn(33, 2 * 200, generator=g) * 6
     gate_up[0, :6] = torch.tensor([-200.0, -88.0, -20.0, 0.0, 20.0, 100.0])  # clamped exp range and beyond

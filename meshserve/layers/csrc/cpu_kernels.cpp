@@ -69,10 +69,53 @@ static inline float exp_approx(float x) {
 }
 
 
+// The element-wise row loops are compiled twice: for the build's baseline (AVX2 where the CPU has
+// it) and for AVX-512 with 512-bit vectors, chosen at run time (1.7x faster SiLU-and-multiply on
+// a Sapphire Rapids core). The rest of the build keeps the baseline.
+#define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,prefer-vector-width=512")))
+
+static bool avx512_allowed = true;
+
+static bool cpu_has_avx512() {
+  static const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512vl");
+  return has && avx512_allowed;
+}
+
+// Lets the tests run the baseline paths on a CPU with AVX-512; returns the previous setting.
+bool allow_avx512(bool allowed) {
+  const bool previous = avx512_allowed;
+  avx512_allowed = allowed;
+  return previous;
+}
+
 static void check_rows(const torch::Tensor& x, const char* name) {
   TORCH_CHECK((x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) && x.dim() == 2 &&
                   x.stride(1) == 1,
               name, ": expected a float32 or bfloat16 [rows, cols] tensor with contiguous rows");
+}
+
+// One row of rms_norm (rr: the residual row, or null).
+template <typename T>
+__attribute__((always_inline)) static inline void rms_norm_row(const T* xr, const T* wp, T* rr, T* o, int64_t H,
+                                                               float eps) {
+  const T* src = xr;
+  if (rr) {
+#pragma omp simd
+    for (int64_t i = 0; i < H; ++i) rr[i] = store<T>(f32(rr[i]) + f32(xr[i]));
+    src = rr;
+  }
+  float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+  for (int64_t i = 0; i < H; ++i) ss += f32(src[i]) * f32(src[i]);
+  const float inv = 1.f / std::sqrt(ss / static_cast<float>(H) + eps);
+#pragma omp simd
+  for (int64_t i = 0; i < H; ++i) o[i] = store<T>(f32(wp[i]) * f32(store<T>(f32(src[i]) * inv)));
+}
+
+template <typename T>
+AVX512 static void rms_norm_row_avx512(const T* xr, const T* wp, T* rr, T* o, int64_t H, float eps) {
+  rms_norm_row(xr, wp, rr, o, H, eps);
 }
 
 // out = weight * (x / rms(x)); with a residual, x + residual is normalised and also written back
@@ -97,27 +140,32 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, c10::optional<torc
     const T* xp = x.data_ptr<T>();
     const T* wp = weight.data_ptr<T>();
     T* op = out.data_ptr<T>();
+    const bool wide = cpu_has_avx512();
     at::parallel_for(0, T_, 16, [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t) {
-        const T* xr = xp + t * xstride;
-        T* o = op + t * H;
-        const T* src = xr;
-        if (rp) {
-          T* rr = rp + t * rstride;
-#pragma omp simd
-          for (int64_t i = 0; i < H; ++i) rr[i] = store<T>(f32(rr[i]) + f32(xr[i]));
-          src = rr;
-        }
-        float ss = 0.f;
-#pragma omp simd reduction(+ : ss)
-        for (int64_t i = 0; i < H; ++i) ss += f32(src[i]) * f32(src[i]);
-        const float inv = 1.f / std::sqrt(ss / static_cast<float>(H) + feps);
-#pragma omp simd
-        for (int64_t i = 0; i < H; ++i) o[i] = store<T>(f32(wp[i]) * f32(store<T>(f32(src[i]) * inv)));
+        T* rr = rp ? rp + t * rstride : nullptr;
+        if (wide) rms_norm_row_avx512(xp + t * xstride, wp, rr, op + t * H, H, feps);
+        else rms_norm_row(xp + t * xstride, wp, rr, op + t * H, H, feps);
       }
     });
   });
   return out;
+}
+
+// One row of silu_and_mul; e: I floats of scratch.
+template <typename T>
+__attribute__((always_inline)) static inline void silu_and_mul_row(const T* g, const T* u, T* o, float* e, int64_t I) {
+  // Two passes over the (L1-resident) row: fused in one loop, the exp and division latencies
+  // chain up and the loop ran 3x slower.
+#pragma omp simd
+  for (int64_t i = 0; i < I; ++i) e[i] = exp_approx(-f32(g[i]));
+#pragma omp simd
+  for (int64_t i = 0; i < I; ++i) o[i] = store<T>(f32(g[i]) / (1.f + e[i]) * f32(u[i]));
+}
+
+template <typename T>
+AVX512 static void silu_and_mul_row_avx512(const T* g, const T* u, T* o, float* e, int64_t I) {
+  silu_and_mul_row(g, u, o, e, I);
 }
 
 // gate_up: [T, 2I] (gate then up) -> silu(gate) * up: [T, I].
@@ -131,18 +179,13 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up) {
     using T = decltype(tag);
     const T* gp = gate_up.data_ptr<T>();
     T* op = out.data_ptr<T>();
+    const bool wide = cpu_has_avx512();
     at::parallel_for(0, T_, 4, [&](int64_t begin, int64_t end) {
       std::vector<float> e(I);
       for (int64_t t = begin; t < end; ++t) {
         const T* g = gp + t * stride;
-        const T* u = g + I;
-        T* o = op + t * I;
-        // Two passes over the (L1-resident) row: fused in one loop, the exp and division latencies
-        // chain up and the loop ran 3x slower.
-#pragma omp simd
-        for (int64_t i = 0; i < I; ++i) e[i] = exp_approx(-f32(g[i]));
-#pragma omp simd
-        for (int64_t i = 0; i < I; ++i) o[i] = store<T>(f32(g[i]) / (1.f + e[i]) * f32(u[i]));
+        if (wide) silu_and_mul_row_avx512(g, g + I, op + t * I, e.data(), I);
+        else silu_and_mul_row(g, g + I, op + t * I, e.data(), I);
       }
     });
   });

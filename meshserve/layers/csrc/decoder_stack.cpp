@@ -88,7 +88,7 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const to
   if (present(s.decode_tables)) {
     const int64_t n = s.num_prefill_tokens;
     out.slice(0, n).copy_(paged_decode(q.slice(0, n).contiguous(), k_cache.contiguous(), v_cache.contiguous(), s.decode_tables,
-                                       s.decode_lens, std::pow(static_cast<double>(d), -0.5), true));
+                                       s.decode_lens, std::pow(static_cast<double>(d), -0.5)));
   }
   return out;
 }

@@ -164,7 +164,7 @@ static void paged_decode_impl(const T* qp, const T* kp, const T* vp, T* op, cons
 // adds them into float32 lanes, 32 elements an instruction and no conversion pass. The product of
 // two bfloat16 values is exact in float32, so the scores are the float32 dot products summed in
 // another order. Values are widened to float32 in registers; probabilities stay float32. Compiled
-// for these instructions alone (the rest of the build keeps AVX2) and chosen at run time.
+// for these instructions alone and chosen at run time, as the element-wise rows (cpu_kernels.cpp).
 #define AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma")))
 
 // Lane j of the result is the sum of a[j]'s sixteen lanes (a transposing tree of adds: 45 shuffles
@@ -301,15 +301,12 @@ static void paged_decode_bf16(const bf16* qp, const bf16* kp, const bf16* vp, bf
 }
 
 static bool cpu_has_avx512_bf16() {
-  static const bool has = __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw") &&
-                          __builtin_cpu_supports("avx512vl");
-  return has;
+  static const bool has = __builtin_cpu_supports("avx512bf16");
+  return has && cpu_has_avx512();
 }
 
-// avx512_bf16: take the AVX512-BF16 path for bfloat16 where the CPU has it (false: the AVX2 path,
-// which the tests also check).
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                           torch::Tensor block_tables, torch::Tensor context_lens, double scale, bool avx512_bf16) {
+                           torch::Tensor block_tables, torch::Tensor context_lens, double scale) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes());
   TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
               "paged_decode: the query and the caches must have one dtype");
@@ -329,7 +326,7 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   }
   auto out = torch::empty_like(q);
   const float fscale = static_cast<float>(scale);
-  if (avx512_bf16 && q.scalar_type() == at::kBFloat16 && (D == 64 || D == 128) && cpu_has_avx512_bf16()) {
+  if (q.scalar_type() == at::kBFloat16 && (D == 64 || D == 128) && cpu_has_avx512_bf16()) {
     const bf16* qp = q.data_ptr<bf16>();
     const bf16* kp = k_cache.data_ptr<bf16>();
     const bf16* vp = v_cache.data_ptr<bf16>();
