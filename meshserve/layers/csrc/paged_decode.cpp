@@ -66,6 +66,24 @@ static inline void prefetch_block(const T* block, int64_t n) {
   for (int64_t off = 0; off < n * static_cast<int64_t>(sizeof(T)); off += 64) __builtin_prefetch(p + off);
 }
 
+// Rows of scores [H, L] -> unnormalised probabilities, stably (the row maximum subtracted before
+// exp); inv_sum[h]: 1 / row h's sum, applied to the output once at the end.
+static inline void softmax_rows(float* p, int64_t H, int64_t L, float* inv_sum) {
+  for (int64_t h = 0; h < H; ++h) {
+    float* ph = p + h * L;
+    float mx = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : mx)
+    for (int64_t t = 0; t < L; ++t) mx = ph[t] > mx ? ph[t] : mx;
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < L; ++t) {
+      ph[t] = exp_approx(ph[t] - mx);
+      sum += ph[t];
+    }
+    inv_sum[h] = 1.f / sum;
+  }
+}
+
 // The decode attention proper; HD > 0 fixes the head size at compile time (fully unrolled inner
 // loops for the common sizes), HD == 0 takes it at run time.
 template <int64_t HD, typename T>
@@ -108,21 +126,8 @@ static void paged_decode_impl(const T* qp, const T* kp, const T* vp, T* op, cons
           }
         }
       }
-      // Stable softmax: subtract the row max before exp; normalise the output once at the end.
+      softmax_rows(p.data(), H, L, inv_sum.data());
       std::fill(ob.begin(), ob.end(), 0.f);
-      for (int64_t h = 0; h < H; ++h) {
-        float* ph = p.data() + h * L;
-        float mx = -std::numeric_limits<float>::infinity();
-#pragma omp simd reduction(max : mx)
-        for (int64_t t = 0; t < L; ++t) mx = ph[t] > mx ? ph[t] : mx;
-        float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t t = 0; t < L; ++t) {
-          ph[t] = exp_approx(ph[t] - mx);
-          sum += ph[t];
-        }
-        inv_sum[h] = 1.f / sum;
-      }
       for (int64_t t0 = 0; t0 < L; t0 += bs) {
         const int64_t n = std::min(bs, L - t0);
         if (t0 + bs < L) prefetch_block(vp + table[t0 / bs + 1] * bs * row, std::min(bs, L - t0 - bs) * row);
@@ -268,19 +273,7 @@ AVX512_BF16 static void decode_sequence_bf16(const bf16* q, const bf16* kp, cons
                       p.data() + h * L + t0 + j);
   }
   std::vector<float> inv_sum(H);
-  for (int64_t h = 0; h < H; ++h) {
-    float* ph = p.data() + h * L;
-    float mx = -std::numeric_limits<float>::infinity();
-#pragma omp simd reduction(max : mx)
-    for (int64_t t = 0; t < L; ++t) mx = ph[t] > mx ? ph[t] : mx;
-    float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t t = 0; t < L; ++t) {
-      ph[t] = exp_approx(ph[t] - mx);
-      sum += ph[t];
-    }
-    inv_sum[h] = 1.f / sum;
-  }
+  softmax_rows(p.data(), H, L, inv_sum.data());
   for (int64_t g = 0; g < KVH; ++g)
     weighted_values_heads<2 * NC2>(G, p.data() + g * G * L, L, vp + g * D, table, bs, row, ob.data() + g * G * D);
   for (int64_t h = 0; h < H; ++h)
