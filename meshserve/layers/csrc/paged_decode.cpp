@@ -58,12 +58,17 @@ static inline void weighted_rows64(float* o, const float* w, const float* v, int
 }
 #endif
 
-// Asks for the next cache block while this one is computed on: blocks are scattered, so the
+// While the block holding token t0 is computed on, asks for the next block's rows (the first
+// `width` elements of each: all KV heads, or one head's slice): blocks are scattered, so the
 // hardware prefetcher, which follows addresses within a page, cannot see it coming.
 template <typename T>
-static inline void prefetch_block(const T* block, int64_t n) {
-  const char* p = reinterpret_cast<const char*>(block);
-  for (int64_t off = 0; off < n * static_cast<int64_t>(sizeof(T)); off += 64) __builtin_prefetch(p + off);
+static inline void prefetch_next_block(const T* cache, const int64_t* table, int64_t t0, int64_t L, int64_t bs,
+                                       int64_t row, int64_t width) {
+  if (t0 + bs >= L) return;
+  const char* next = reinterpret_cast<const char*>(cache + table[t0 / bs + 1] * bs * row);
+  const int64_t bytes = width * static_cast<int64_t>(sizeof(T)), stride = row * static_cast<int64_t>(sizeof(T));
+  for (int64_t j = 0; j < std::min(bs, L - t0 - bs); ++j)
+    for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(next + j * stride + off);
 }
 
 // Rows of scores [H, L] -> unnormalised probabilities, stably (the row maximum subtracted before
@@ -106,7 +111,7 @@ static void paged_decode_impl(const T* qp, const T* kp, const T* vp, T* op, cons
       p.resize(H * L);
       for (int64_t t0 = 0; t0 < L; t0 += bs) {
         const int64_t n = std::min(bs, L - t0);
-        if (t0 + bs < L) prefetch_block(kp + table[t0 / bs + 1] * bs * row, std::min(bs, L - t0 - bs) * row);
+        prefetch_next_block(kp, table, t0, L, bs, row, row);
         const float* kb = as_float(kp + table[t0 / bs] * bs * row, scratch.data(), n * row);
         for (int64_t h = 0; h < H; ++h) {
           const float* qh = qb.data() + h * D;
@@ -130,7 +135,7 @@ static void paged_decode_impl(const T* qp, const T* kp, const T* vp, T* op, cons
       std::fill(ob.begin(), ob.end(), 0.f);
       for (int64_t t0 = 0; t0 < L; t0 += bs) {
         const int64_t n = std::min(bs, L - t0);
-        if (t0 + bs < L) prefetch_block(vp + table[t0 / bs + 1] * bs * row, std::min(bs, L - t0 - bs) * row);
+        prefetch_next_block(vp, table, t0, L, bs, row, row);
         const float* vb = as_float(vp + table[t0 / bs] * bs * row, scratch.data(), n * row);
         for (int64_t h = 0; h < H; ++h) {
           const float* ph = p.data() + h * L + t0;
@@ -217,11 +222,7 @@ AVX512_BF16 static void weighted_values(const float* p, int64_t L, const bf16* v
     for (int c = 0; c < NC; ++c) acc[h][c] = _mm512_setzero_ps();
   for (int64_t t0 = 0; t0 < L; t0 += bs) {
     const int64_t n = std::min(bs, L - t0);
-    if (t0 + bs < L) {  // this KV head's rows of the next block
-      const char* next = reinterpret_cast<const char*>(vp + table[t0 / bs + 1] * bs * row);
-      for (int64_t j = 0; j < std::min(bs, L - t0 - bs); ++j)
-        for (int64_t off = 0; off < D * 2; off += 64) __builtin_prefetch(next + j * row * 2 + off);
-    }
+    prefetch_next_block(vp, table, t0, L, bs, row, D);  // this KV head's slice
     const bf16* vb = vp + table[t0 / bs] * bs * row;
     for (int64_t j = 0; j < n; ++j) {
       __m512 v[NC];
@@ -265,7 +266,7 @@ AVX512_BF16 static void decode_sequence_bf16(const bf16* q, const bf16* kp, cons
   p.resize(H * L);
   for (int64_t t0 = 0; t0 < L; t0 += bs) {
     const int64_t n = std::min(bs, L - t0);
-    if (t0 + bs < L) prefetch_block(kp + table[t0 / bs + 1] * bs * row, std::min(bs, L - t0 - bs) * row);
+    prefetch_next_block(kp, table, t0, L, bs, row, row);
     const bf16* kb = kp + table[t0 / bs] * bs * row;
     for (int64_t h = 0; h < H; ++h)
       for (int64_t j = 0; j < n; j += 16)
