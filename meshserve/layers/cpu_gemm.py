@@ -11,6 +11,13 @@ In bfloat16, oneDNN runs on AMX tiles where the CPU has them (Sapphire Rapids an
 `F.linear` reorders the weight on every call: the packed weight was 1.2-2x faster from 1 to 256
 rows and level at 1024 on SmolLM2's shapes (2 cores with AMX), so bfloat16 always takes it.
 MESHSERVE_DISABLE_CPU_KERNELS=1 turns it off.
+
+oneDNN builds (and JIT-compiles) a primitive for every row count it meets: 3-5 ms per weight shape
+the first time, 15-25 ms on a step of SmolLM2, and a served step's row count (prompt chunk plus
+running decodes) is new every few steps. In bfloat16 the rows are padded to a multiple of 16 (one
+AMX tile), which leaves a few dozen row counts in use, and the runner builds those at start-up
+(warm_up_packed). Warm, the padding costs nothing measurable: an AMX matmul works in 16-row tiles,
+and some odd row counts hit slower blockings (296 rows of SmolLM2's layer took 1.6x 304 rows').
 """
 from __future__ import annotations
 
@@ -26,6 +33,12 @@ PACKED_MAX_ROWS = 128  # crossover measured on SmolLM2's shapes, 2 AVX2 cores: ~
 PACKED_MIN_ROWS = 4
 PACKED_MIN_ROWS_LM_HEAD = 1
 _ANY_ROWS = (1, 1 << 62)
+BF16_ROW_MULTIPLE = 16
+
+
+def row_multiple(dtype: torch.dtype) -> int:
+    """Packed matmuls of this dtype run on a row count rounded up to a multiple of this."""
+    return BF16_ROW_MULTIPLE if dtype == torch.bfloat16 else 1
 
 
 def packed_rows(dtype: torch.dtype, min_rows: int = PACKED_MIN_ROWS) -> tuple[int, int]:
@@ -44,6 +57,8 @@ class PrepackedMatmul:
 
     _packed: torch.Tensor | None = None
     packed_min_rows = PACKED_MIN_ROWS
+    rows_are_sequences = False  # one row per sequence (an LM head), not one per token
+    bias_in_matmul = True  # forward passes its bias to matmul (a row-parallel one adds it after the all-reduce)
 
     def prepack(self) -> None:
         """Call after the weights are loaded and on their final device and dtype."""
@@ -52,8 +67,12 @@ class PrepackedMatmul:
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self._packed is not None and x.dim() == 2:
             lo, hi = packed_rows(self.weight.dtype, self.packed_min_rows)
-            if lo <= x.shape[0] <= hi:
-                return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self._packed, bias, "none", [], "")
+            rows = x.shape[0]
+            if lo <= rows <= hi:
+                pad = -rows % row_multiple(self.weight.dtype)
+                x = F.pad(x, (0, 0, 0, pad)) if pad else x.contiguous()
+                y = torch.ops.mkldnn._linear_pointwise(x, self._packed, bias, "none", [], "")
+                return y[:rows] if pad else y
         return F.linear(x, self.weight, bias)
 
 
@@ -65,3 +84,27 @@ def prepack_model(model: torch.nn.Module) -> None:
     use_cpu_stack = getattr(model, "use_cpu_stack", None)
     if use_cpu_stack is not None:  # the C++ layer loop holds the packed copies: give it the new ones
         use_cpu_stack()
+
+
+def warm_up_packed(model: torch.nn.Module, max_token_rows: int, max_sequence_rows: int) -> int:
+    """Builds oneDNN's primitives for every padded row count a step can bring up to these bounds,
+    once per weight shape (layers of one shape share them); returns how many matmuls that ran.
+    Does nothing unless the rows are padded (bfloat16): unpadded row counts are too many to build."""
+    seen: set[tuple] = set()
+    calls = 0
+    for m in model.modules():
+        if not isinstance(m, PrepackedMatmul) or m._packed is None or row_multiple(m.weight.dtype) == 1:
+            continue
+        multiple = row_multiple(m.weight.dtype)
+        bias = getattr(m, "bias", None) if m.bias_in_matmul else None
+        key = (tuple(m.weight.shape), m.weight.dtype, bias is not None)
+        if key in seen:
+            continue
+        seen.add(key)
+        lo, hi = packed_rows(m.weight.dtype, m.packed_min_rows)
+        top = min(hi, max_sequence_rows if m.rows_are_sequences else max_token_rows)
+        with torch.inference_mode():
+            for rows in range(max(lo, multiple), top + multiple, multiple):
+                m.matmul(torch.zeros(rows, m.weight.shape[1], dtype=m.weight.dtype), bias)
+                calls += 1
+    return calls

@@ -38,6 +38,7 @@ class ParallelLMHead(PrepackedMatmul, VocabParallelEmbedding):
     """Logits for the rows given; each rank computes its vocabulary slice, then one all-gather."""
 
     packed_min_rows = PACKED_MIN_ROWS_LM_HEAD
+    rows_are_sequences = True
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.matmul(hidden)

@@ -84,6 +84,8 @@ class RowParallelLinear(PrepackedMatmul, nn.Module):
     `reduce_results=False` returns the partial sum, for a caller that adds more partials first
     (an MoE block reduces its shared expert together with the routed experts)."""
 
+    bias_in_matmul = False
+
     def __init__(self, in_features: int, out_features: int, bias: bool = False, reduce_results: bool = True):
         super().__init__()
         ps = get_parallel_state()

@@ -15,7 +15,7 @@ from meshserve.config import CPU_DEFAULT_KV_BYTES, EngineConfig
 from meshserve.distributed.parallel_state import get_parallel_state
 from meshserve.engine.step import StepInput
 from meshserve.layers import cpu_kernels
-from meshserve.layers.cpu_gemm import prepack_model
+from meshserve.layers.cpu_gemm import prepack_model, warm_up_packed
 from meshserve.layers.host_to_device import to_device
 from meshserve.layers.moe import SparseMoeBlock
 from meshserve.layers.sampler import Sampler, SamplerOutput
@@ -86,6 +86,8 @@ class ModelRunner:
         if self.device.type == "cpu" and self.dtype in cpu_kernels.DTYPES:
             cpu_kernels.available()  # compile (or load) them now, not during the first request
         prepack_model(self.model)
+        if self.device.type == "cpu":
+            self._warm_up_matmuls()
         if getattr(self.model, "cpu_stack", None) is not None and self.ps.rank == 0:
             logger.info("decoder layers run as one C++ loop (layers/cpu_decoder_stack.py)")
         self.sampler = Sampler(config.seed, self.device) if self.ps.is_last_stage and self.ps.tp_rank == 0 else None
@@ -105,6 +107,16 @@ class ModelRunner:
         self.kv_budget: KVCacheBudget | None = None  # the measured breakdown, on CUDA
         # MoE routing counts: every rank of a stage sees the same global counts, its first TP rank reports them.
         self.expert_load = getattr(self.model, "expert_load", None) if self.ps.tp_rank == 0 else None
+
+    def _warm_up_matmuls(self) -> None:
+        """oneDNN's primitives for the row counts of steps that run beside decodes (a prompt chunk
+        plus every running sequence), built now rather than by the first requests that meet them."""
+        cfg = self.config
+        rows = min(cfg.batched_token_budget(self.max_model_len), (cfg.prefill_chunk_with_decodes or 0) + cfg.max_num_seqs)
+        t0 = time.perf_counter()
+        calls = warm_up_packed(self.model, rows, cfg.max_num_seqs)
+        if calls and self.ps.rank == 0:
+            logger.info("built the matmuls for up to %d rows in %.1f s", rows, time.perf_counter() - t0)
 
     def take_expert_counts(self) -> dict[int, list[int]]:
         """Tokens routed to each expert of this stage's MoE layers since the last call ({} if none)."""

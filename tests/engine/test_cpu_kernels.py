@@ -2,6 +2,7 @@
 pre-packed small-batch matmuls equal their PyTorch formulas; the callers fall back to PyTorch when
 the kernels are disabled, unavailable or given tensors they do not handle; and an engine with all
 of them on generates what one with all of them off generates."""
+import contextlib
 import logging
 
 import pytest
@@ -294,14 +295,54 @@ def test_bf16_packed_linear_takes_every_row_count(rows):
     lin.prepack()
     assert lin._packed is not None
     x = torch.randn(rows, 96, generator=g).bfloat16()
-    calls = []
-    real = torch.ops.mkldnn._linear_pointwise
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda *a: calls.append(1) or real(*a))
+    with _packed_row_counts() as calls:
         out = lin(x)
-    assert calls and out.dtype == torch.bfloat16
+    # oneDNN sees the rows padded to whole AMX tiles (one primitive per 16 rows, not per row count)
+    assert calls == [-(-rows // 16) * 16]
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, 200)
     expected = F.linear(x.float(), lin.weight.float(), lin.bias.float())
     torch.testing.assert_close(out.float(), expected, rtol=1e-2, atol=5e-2)
+    # a row's result is the same whatever else shares its 16-row tile
+    alone = torch.cat([lin(x[i:i + 1]) for i in range(min(rows, 20))])
+    assert torch.equal(alone, out[:20])
+
+
+@contextlib.contextmanager
+def _packed_row_counts():
+    """The row count of every matmul oneDNN runs on a packed weight from Python, in order."""
+    calls: list[int] = []
+    real = torch.ops.mkldnn._linear_pointwise
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda x, *a: calls.append(x.shape[0]) or real(x, *a))
+        yield calls
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_warm_up_builds_the_row_counts_that_steps_bring(tmp_path, dtype):
+    from tiny_model import tiny_runner
+
+    from meshserve.engine.step import SeqStep, StepInput
+    from meshserve.sampling_params import SamplingParams
+
+    with _packed_row_counts() as warmed:  # the runner builds them as it starts
+        runner = tiny_runner(tmp_path, dtype=dtype, max_num_seqs=8, prefill_chunk_with_decodes=24)
+    if dtype == "float32":  # unpadded row counts: too many to build ahead, so none are
+        assert warmed == []
+        return
+    # four decoder weight shapes up to 24 + 8 token rows, the LM head up to 8 sequences, padded
+    assert sorted(warmed) == sorted([16, 32] * 4 + [16])
+    model = runner.model
+    model.cpu_stack = None  # the module path, whose matmuls Python sees
+    runner.init_kv_cache(64)
+    greedy = SamplingParams(temperature=0)
+    steps = [StepInput([SeqStep(i, [1 + i] * (3 + i), 0, [i], True, greedy) for i in range(5)]),  # 5 prompts
+             StepInput([SeqStep(5, [7] * 24, 0, [5, 6], True, greedy)]  # a capped chunk beside 5 decodes
+                       + [SeqStep(i, [2], 3 + i, [i], True, greedy) for i in range(5)])]
+    with _packed_row_counts() as used, torch.inference_mode():
+        for step in steps:
+            hidden, rows = runner.forward(step)
+            runner.sample(step, hidden[rows])
+    assert used and set(used) <= set(warmed)
 
 
 def test_packing_off_when_disabled_or_not_float32_or_bf16(monkeypatch):

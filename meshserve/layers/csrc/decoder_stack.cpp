@@ -51,12 +51,15 @@ struct StepAttention {
 };
 
 // PagedAttention.__call__ (layers/attention.py), the CPU path.
+// The output has `rows` rows (the step's tokens, then zeros up to the padded row count).
 torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                        const torch::Tensor& kv_cache, const StepAttention& s, int64_t kvh, int64_t d) {
+                        const torch::Tensor& kv_cache, const StepAttention& s, int64_t kvh, int64_t d,
+                        int64_t rows) {
   auto k_cache = kv_cache[0], v_cache = kv_cache[1];
   k_cache.view({-1, kvh, d}).index_copy_(0, s.slot_mapping, k);
   v_cache.view({-1, kvh, d}).index_copy_(0, s.slot_mapping, v);
-  auto out = torch::empty_like(q);
+  auto out = torch::empty({rows, q.size(1), q.size(2)}, q.options());
+  out.slice(0, q.size(0)).zero_();
   for (size_t g = 0; g * 4 < s.prefill_groups.size(); ++g) {
     const int64_t a = s.prefill_groups[4 * g], b = s.prefill_groups[4 * g + 1];
     const int64_t n = s.prefill_groups[4 * g + 2], cached = s.prefill_groups[4 * g + 3];
@@ -87,7 +90,7 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const to
   }
   if (present(s.decode_tables)) {
     const int64_t n = s.num_prefill_tokens;
-    out.slice(0, n).copy_(paged_decode(q.slice(0, n).contiguous(), k_cache.contiguous(), v_cache.contiguous(), s.decode_tables,
+    out.slice(0, n, q.size(0)).copy_(paged_decode(q.slice(0, n).contiguous(), k_cache.contiguous(), v_cache.contiguous(), s.decode_tables,
                                        s.decode_lens, std::pow(static_cast<double>(d), -0.5)));
   }
   return out;
@@ -96,7 +99,10 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const to
 }  // namespace
 
 // Runs the layers on the stage's input h (the whole hidden state); returns {h, residual} as
-// LlamaDecoderLayer.forward leaves them after the last one.
+// LlamaDecoderLayer.forward leaves them after the last one. With row_multiple > 1 every row-wise
+// operator runs on the step's tokens padded with zero rows up to a multiple of it, as the packed
+// matmuls of cpu_gemm.PrepackedMatmul do (see cpu_gemm.py: oneDNN builds a primitive per row count);
+// attention and the cache writes take the real rows only.
 std::vector<torch::Tensor> decoder_stack(torch::Tensor h, std::vector<torch::Tensor> weights,
                                          std::vector<torch::Tensor> kv_caches, torch::Tensor positions,
                                          torch::Tensor cos, torch::Tensor sin, torch::Tensor slot_mapping,
@@ -104,15 +110,18 @@ std::vector<torch::Tensor> decoder_stack(torch::Tensor h, std::vector<torch::Ten
                                          int64_t num_prefill_tokens, torch::Tensor decode_tables,
                                          torch::Tensor decode_lens, int64_t num_heads, int64_t num_kv_heads,
                                          int64_t head_dim, double eps, int64_t packed_min_rows,
-                                         int64_t packed_max_rows) {
+                                         int64_t packed_max_rows, int64_t row_multiple) {
   pybind11::gil_scoped_release no_gil;
   TORCH_CHECK(weights.size() == kv_caches.size() * kWeightsPerLayer, "decoder_stack: weights per layer mismatch");
   TORCH_CHECK(prefill_groups.size() % 4 == 0 && prefill_tables.size() * 4 == prefill_groups.size());
   const StepAttention step{slot_mapping, prefill_groups, prefill_tables, num_prefill_tokens, decode_tables,
                            decode_lens};
-  const PackedRows rows{packed_min_rows, packed_max_rows};
+  const PackedRows packed_rows{packed_min_rows, packed_max_rows};
   const int64_t H = num_heads, KVH = num_kv_heads, D = head_dim, T = h.size(0);
   TORCH_CHECK(!kv_caches.empty(), "decoder_stack: no layers");
+  TORCH_CHECK(row_multiple >= 1, "decoder_stack: row_multiple must be >= 1");
+  const int64_t rows = (T + row_multiple - 1) / row_multiple * row_multiple;
+  if (rows != T) h = at::constant_pad_nd(h, {0, 0, 0, rows - T});
   torch::Tensor residual;
   for (size_t layer = 0; layer < kv_caches.size(); ++layer) {
     const torch::Tensor* w = weights.data() + layer * kWeightsPerLayer;
@@ -123,16 +132,18 @@ std::vector<torch::Tensor> decoder_stack(torch::Tensor h, std::vector<torch::Ten
       residual = residual.contiguous();
       h = rms_norm(h, w[kInputNorm], residual, eps);
     }
-    auto qkv = linear(h, w[kQKV], w[kQKVPacked], w[kQKVBias], rows);
-    rotary_(qkv, positions, cos, sin, H + KVH, D);
-    auto q = qkv.slice(1, 0, H * D).view({T, H, D});
-    auto k = qkv.slice(1, H * D, (H + KVH) * D).view({T, KVH, D});
-    auto v = qkv.slice(1, (H + KVH) * D, (H + 2 * KVH) * D).view({T, KVH, D});
-    auto o = attention(q, k, v, kv_caches[layer], step, KVH, D);
-    h = linear(o.reshape({T, H * D}), w[kO], w[kOPacked], torch::Tensor(), rows);
+    auto qkv = linear(h, w[kQKV], w[kQKVPacked], w[kQKVBias], packed_rows);
+    auto real = qkv.slice(0, 0, T);
+    rotary_(real, positions, cos, sin, H + KVH, D);
+    auto q = real.slice(1, 0, H * D).view({T, H, D});
+    auto k = real.slice(1, H * D, (H + KVH) * D).view({T, KVH, D});
+    auto v = real.slice(1, (H + KVH) * D, (H + 2 * KVH) * D).view({T, KVH, D});
+    auto o = attention(q, k, v, kv_caches[layer], step, KVH, D, rows);
+    h = linear(o.view({rows, H * D}), w[kO], w[kOPacked], torch::Tensor(), packed_rows);
     h = rms_norm(h, w[kPostNorm], residual, eps);
-    h = linear(silu_and_mul(linear(h, w[kGateUp], w[kGateUpPacked], torch::Tensor(), rows)), w[kDown],
-               w[kDownPacked], torch::Tensor(), rows);
+    h = linear(silu_and_mul(linear(h, w[kGateUp], w[kGateUpPacked], torch::Tensor(), packed_rows)), w[kDown],
+               w[kDownPacked], torch::Tensor(), packed_rows);
   }
+  if (rows != T) return {h.slice(0, 0, T), residual.slice(0, 0, T)};
   return {h, residual};
 }
