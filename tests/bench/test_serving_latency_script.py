@@ -4,6 +4,7 @@ prediction beside the measurement."""
 import asyncio
 import json
 
+import pytest
 from benchmarks import serving_latency
 
 from .helpers import fake_server
@@ -41,3 +42,31 @@ def test_the_engines_sweep_in_turns_point_by_point(capsys):
     assert engines[1].sweep["max_load_meeting_slo"] == 50
     assert 2 <= engines[0].sweep["max_load_meeting_slo"] < 50
     assert [p["load"] for p in engines[1].sweep["points"]] == [2, 50]
+
+
+def test_repeats_run_every_load_again_and_report_the_medians(monkeypatch):
+    from meshserve.plan.simulate import SimulatedLatency
+
+    predicted_ttft = iter([0.1, 0.3, 0.2])  # the planner, calibrated around each run
+    monkeypatch.setattr(serving_latency, "planner_calibration", lambda a: None)
+    monkeypatch.setattr(serving_latency, "average_calibrations", lambda cals: None)
+    monkeypatch.setattr(serving_latency, "planner_point",
+                        lambda a, rate, cal: SimulatedLatency(rate, 3, 1, next(predicted_ttft), 1.0, 0.01, 0.02, 1.0))
+    a = serving_latency.parse_args(["--rates", "20", "--num-prompts", "3", "--burst-prompts", "2", "--input-len", "16",
+                                    "--output-len", "4", "--no-sweep", "--repeats", "3"])
+    engine = serving_latency.Engine("meshserve", [])
+    planned: dict = {}
+    with fake_server("smollm2", "--ttft-ms", "5", "--itl-ms", "2") as url:
+        asyncio.run(serving_latency.measure(a, [engine], [url], planned))
+    assert [r["rate"] for r in engine.runs] == [20, float("inf")] * 3
+    assert [r["rate"] for r in engine.rows] == [20, float("inf")]
+    poisson = sorted(r["median_ttft_ms"] for r in engine.runs if r["rate"] == 20)
+    assert engine.rows[0]["median_ttft_ms"] == poisson[1] and engine.rows[0]["completed"] == 3
+    assert planned[20].ttft_p50_s == 0.2 and float("inf") not in planned
+    assert "x 3 runs | meshserve |" in serving_latency.table(a, [engine], planned)
+
+
+def test_repeats_must_be_positive(capsys):
+    with pytest.raises(SystemExit):
+        serving_latency.parse_args(["--repeats", "0"])
+    assert "--repeats must be at least 1, got 0" in capsys.readouterr().err
