@@ -5,6 +5,7 @@ import asyncio
 import json
 
 import pytest
+
 from benchmarks import serving_latency
 
 from .helpers import fake_server
