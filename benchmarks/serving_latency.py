@@ -18,7 +18,11 @@ The planner column is `meshserve plan --request-rate R --simulate-requests 32` f
 on this machine: the TTFT and TPOT percentiles of its step-by-step simulation of runs like the
 benchmark's, next to the measured ones. Its constants (`meshserve plan --calibrate`) are measured
 just before and just after meshserve's turn at each load and averaged, unless --calibration-file is
-given: a shared machine's speed drifts by 10-20% from one ten-second calibration to the next.
+given: a shared machine's speed drifts by 10-20% from one ten-second calibration to the next. The
+simulation covers the engine's steps only; the time a request spends outside them (HTTP front end,
+tokenization, the hops to and from the engine, streaming the first token) is measured on the idle
+server before the loads, as client TTFT minus the engine's step time over a few one-token requests
+(the server's /metrics), and added to the planner's TTFT (`meshserve plan --serving-overhead-ms`).
 
 With --repeats N every load runs N times (in rounds: all loads, then all loads again, each run with
 prompts of its own) and the table shows each column's median over the runs, measured and planned
@@ -58,6 +62,7 @@ class Engine:
     runs: list[dict] = field(default_factory=list)  # every run of every load
     sweep: dict | None = None
     sweep_it: bool = True  # variants run the loads only
+    serving_path_s: float = 0.0  # a request's time outside the engine's steps (serving_path_seconds)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -145,7 +150,8 @@ async def measure(a: argparse.Namespace, found: list[Engine], urls: list[str], p
             engine.runs.append({"rate": rate, **result})
             if plan_it:
                 cals = [before] if a.calibration_file else [before, planner_calibration(a)]
-                predicted.setdefault(rate, []).append(planner_point(a, rate, average_calibrations(cals)))
+                predicted.setdefault(rate, []).append(
+                    planner_point(a, rate, average_calibrations(cals), found[0].serving_path_s))
             print(f"  {engine.name} at {rate:g} req/s: {summary(result)} (load average {os.getloadavg()[0]:.1f})",
                   file=sys.stderr, flush=True)
     for engine in found:
@@ -207,7 +213,54 @@ def run_engines(a: argparse.Namespace, found: list[Engine], planned: dict) -> No
             servers.append(stack.enter_context(server))
         for server in servers:
             server.wait_healthy_sync(900)
+        found[0].serving_path_s = serving_path_seconds(servers[0].url)
+        print(f"meshserve: {found[0].serving_path_s * 1e3:.1f} ms a request outside the engine's steps "
+              f"(idle server, {SERVING_PATH_REQUESTS} one-token requests)", file=sys.stderr, flush=True)
         asyncio.run(measure(a, found, [server.url for server in servers], planned))
+
+
+SERVING_PATH_REQUESTS = 8
+_STEP_PHASES = ("schedule", "prepare", "forward", "sample", "output")  # not "ipc": that is the path
+
+
+def serving_path_seconds(url: str, requests: int = SERVING_PATH_REQUESTS) -> float:
+    """Mean client TTFT minus mean engine step time over `requests` one-token requests sent one at a
+    time to an idle meshserve server: each is one step (its prompt, sampled, finished), and the rest
+    of its TTFT is the serving path the planner's simulation leaves out."""
+    import time
+
+    import httpx
+
+    with httpx.Client(base_url=url, timeout=60) as client:
+        def step_seconds() -> float:
+            return sum(_metric(client.get("/metrics").text, "meshserve:engine_step_phase_seconds_sum", phase=p)
+                       for p in _STEP_PHASES)
+
+        def ttft(i: int) -> float:
+            body = {"model": SERVED_NAME, "prompt": f"Count to {i + 3}:", "max_tokens": 1, "stream": True}
+            start = time.perf_counter()
+            with client.stream("POST", "/v1/completions", json=body) as r:
+                r.raise_for_status()
+                lines = (line for line in r.iter_lines() if line.startswith("data: ") and line != "data: [DONE]")
+                first = next(lines) and time.perf_counter() - start
+                for _ in lines:  # the rest of the stream: the request is over before the next one
+                    pass
+            return first
+
+        ttft(requests)  # a first request pays for whatever is still cold
+        before = step_seconds()
+        ttfts = [ttft(i) for i in range(requests)]
+        steps = step_seconds() - before
+    return max(0.0, statistics.fmean(ttfts) - steps / requests)
+
+
+def _metric(text: str, name: str, **labels: str) -> float:
+    """A sample's value in Prometheus text exposition (0 when absent)."""
+    want = "{" + ",".join(f'{k}="{v}"' for k, v in labels.items()) + "}" if labels else ""
+    for line in text.splitlines():
+        if line.startswith(name + want + " "):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
 
 
 def max_model_len(a: argparse.Namespace) -> int:
@@ -224,17 +277,18 @@ def planner_calibration(a: argparse.Namespace):
     return calibrate(os.path.join(tempfile.mkdtemp(), "calibration.json"), cpu_dtype=a.dtype)[0]
 
 
-def planner_point(a: argparse.Namespace, rate: float, cal):
+def planner_point(a: argparse.Namespace, rate: float, cal, serving_overhead_s: float = 0.0):
     """`meshserve plan --gpu this-machine --model SmolLM2-135M --weight-dtype fp32|bf16 --prompt-len 256
-    --output-len 128 --max-model-len 1024 --request-rate R --simulate-requests 32`: the simulated
-    percentiles of runs like the benchmark's (plan/simulate.py)."""
+    --output-len 128 --max-model-len 1024 --request-rate R --simulate-requests 32 --serving-overhead-ms S`:
+    the simulated percentiles of runs like the benchmark's (plan/simulate.py)."""
     from meshserve.plan.catalog import get_model
     from meshserve.plan.planner import PlanConfig, plan
 
     result = plan(PlanConfig(model=get_model("SmolLM2-135M"), gpu=cal.to_gpu_spec(),
                              weight_dtype="bf16" if a.dtype == "bfloat16" else "fp32",
                              max_model_len=max_model_len(a), prompt_len=a.input_len, output_len=a.output_len,
-                             request_rate=rate, simulate_requests=a.num_prompts))
+                             request_rate=rate, simulate_requests=a.num_prompts,
+                             serving_overhead_ms=serving_overhead_s * 1e3))
     return result.recommended.simulated
 
 

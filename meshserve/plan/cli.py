@@ -50,6 +50,10 @@ def register(subparsers) -> None:
       "recommended layout's TTFT and TPOT percentiles at it are simulated step by step")
     a("--simulate-requests", type=int, default=200,
       help="requests per simulated run at --request-rate (default 200; the median of 16 runs is shown)")
+    a("--serving-overhead-ms", type=float, default=0.0,
+      help="a request's time outside the engine's steps (HTTP front end, tokenization, the hops to and "
+           "from the engine, streaming the first token), added to the simulated TTFT (default 0; "
+           "benchmarks/serving_latency.py measures it)")
     a("--max-num-batched-tokens", type=int, default=2048,
       help="the simulated engine's token budget per step, as `meshserve serve` takes it (default 2048)")
     a("--prefill-chunk-with-decodes", type=int, default=None, metavar="N",
@@ -137,7 +141,8 @@ def run(args: argparse.Namespace) -> int:
         slo_itl_ms=args.slo_itl_ms, request_rate=args.request_rate,
         compute_efficiency=args.compute_efficiency, bandwidth_efficiency=args.bandwidth_efficiency,
         enable_expert_parallel=args.enable_expert_parallel, moe_load_max_to_mean=args.moe_load_max_to_mean,
-        simulate_requests=args.simulate_requests, max_num_batched_tokens=args.max_num_batched_tokens,
+        simulate_requests=args.simulate_requests, serving_overhead_ms=args.serving_overhead_ms,
+        max_num_batched_tokens=args.max_num_batched_tokens,
         prefill_chunk_with_decodes=args.prefill_chunk_with_decodes))
     print(json.dumps(to_dict(result), indent=2) if args.json else format_report(result))
     if args.plot:

@@ -47,6 +47,9 @@ class PlanConfig:
     enable_expert_parallel: bool | None = None  # MoE: None ranks layouts with and without EP
     moe_load_max_to_mean: float | None = None  # measured busiest EP rank's load; None: uniform routing
     simulate_requests: int = 200  # requests per simulated run at --request-rate (simulate.py)
+    # A request's time outside the engine's steps (HTTP front end, tokenization, the hops to and from
+    # the engine, streaming the first token), added to every simulated TTFT.
+    serving_overhead_ms: float = 0.0
     # The engine's scheduling knobs the simulation replays, as `meshserve serve` takes them (the
     # chunk cap: None for the engine's default on the device, 0 for none).
     max_num_batched_tokens: int = 2048
@@ -99,9 +102,10 @@ class PlanConfig:
         if self.prefill_chunk_with_decodes < 0:
             raise ValueError(f"--prefill-chunk-with-decodes must be >= 0 (0: no cap), got "
                              f"{self.prefill_chunk_with_decodes}")
-        if self.kv_transfer_overhead_ms < 0:
-            raise ValueError(f"--kv-transfer-overhead-ms must be >= 0, got "
-                             f"{self.kv_transfer_overhead_ms}")
+        for flag, value in (("--kv-transfer-overhead-ms", self.kv_transfer_overhead_ms),
+                            ("--serving-overhead-ms", self.serving_overhead_ms)):
+            if value < 0:
+                raise ValueError(f"{flag} must be >= 0, got {value}")
         if self.moe_load_max_to_mean is not None and self.moe_load_max_to_mean < 1:
             raise ValueError(f"--moe-load-max-to-mean must be >= 1 (1 = balanced), got {self.moe_load_max_to_mean}")
         if self.enable_expert_parallel and not self.model.is_moe:
@@ -284,5 +288,6 @@ def plan(cfg: PlanConfig) -> PlanResult:
         best.simulated = simulate(best.perf, cfg.workload, best.operating.rate,
                                   max_seqs=best.memory.seqs_of(cfg.prompt_len + cfg.output_len),
                                   num_requests=cfg.simulate_requests, token_budget=cfg.max_num_batched_tokens,
-                                  prefill_chunk_with_decodes=cfg.prefill_chunk_with_decodes or None)
+                                  prefill_chunk_with_decodes=cfg.prefill_chunk_with_decodes or None,
+                                  serving_overhead_s=cfg.serving_overhead_ms / 1e3)
     return PlanResult(cfg, ordered, decision)

@@ -15,7 +15,8 @@ a stated rate the planner replays the engine's policy (engine/scheduler.py) on P
   end of the step that computes its last prompt token, and each later token one step later.
 
 TTFT and TPOT are measured per request as the benchmark measures them (TPOT = (end - first token)
-/ (output - 1)); each run's percentiles are taken over its requests, and the reported figure is
+/ (output - 1)), TTFT plus `serving_overhead_s`, the time a served request spends outside the
+engine's steps (front end, hops to and from the engine, streaming; measured, not modelled); each run's percentiles are taken over its requests, and the reported figure is
 the median over `runs` seeded runs of `num_requests` requests, which is what a benchmark of that
 many requests started on an idle server will most likely show.
 """
@@ -145,7 +146,7 @@ def _run(perf: PerfModel, work: Workload, arrivals: np.ndarray, max_seqs: int, t
 
 def simulate(perf: PerfModel, work: Workload, rate: float, *, max_seqs: int, num_requests: int = 200,
              runs: int = 16, token_budget: int = 2048, prefill_chunk_with_decodes: int | None = None,
-             seed: int = 0) -> SimulatedLatency:
+             serving_overhead_s: float = 0.0, seed: int = 0) -> SimulatedLatency:
     """Median over `runs` Poisson runs of `num_requests` requests at `rate` of the runs' TTFT and
     TPOT percentiles (see the module docstring)."""
     if not rate > 0 or math.isinf(rate):
@@ -157,7 +158,7 @@ def simulate(perf: PerfModel, work: Workload, rate: float, *, max_seqs: int, num
         rng = np.random.default_rng(seed + run)
         arrivals = np.concatenate(([0.0], np.cumsum(rng.exponential(1.0 / rate, num_requests - 1))))
         seqs, running = _run(perf, work, arrivals, max_seqs, token_budget, prefill_chunk_with_decodes)
-        ttft = [s.first_token - s.arrival for s in seqs]
+        ttft = [s.first_token - s.arrival + serving_overhead_s for s in seqs]
         tpot = [(s.end - s.first_token) / (work.output_len - 1) for s in seqs] if work.output_len > 1 else []
         per_run.append((_percentile(ttft, 50), _percentile(ttft, 95), _percentile(tpot, 50),
                         _percentile(tpot, 95), running))

@@ -25,6 +25,9 @@ def test_latency_table_has_every_load_and_the_planner_column(tmp_path, capsys):
     assert [r["rate"] for r in rows[:1]] == [4.0] and all(r["completed"] == 3 for r in rows)
     sim = doc["planner"]["4.0"]
     assert sim["num_requests"] == 3
+    # the serving path outside the engine's steps, measured on the idle server: part of a request's TTFT
+    path_s = doc["engines"][0]["serving_path_s"]
+    assert 0 < path_s < rows[0]["median_ttft_ms"] / 1e3
     assert 0 < sim["ttft_p50_s"] <= sim["ttft_p95_s"] < 10 and 0 < sim["tpot_p50_s"] <= sim["tpot_p95_s"] < 10
 
 
@@ -52,7 +55,7 @@ def test_repeats_run_every_load_again_and_report_the_medians(monkeypatch):
     monkeypatch.setattr(serving_latency, "planner_calibration", lambda a: None)
     monkeypatch.setattr(serving_latency, "average_calibrations", lambda cals: None)
     monkeypatch.setattr(serving_latency, "planner_point",
-                        lambda a, rate, cal: SimulatedLatency(rate, 3, 1, next(predicted_ttft), 1.0, 0.01, 0.02, 1.0))
+                        lambda a, rate, cal, path_s: SimulatedLatency(rate, 3, 1, next(predicted_ttft), 1.0, 0.01, 0.02, 1.0))
     a = serving_latency.parse_args(["--rates", "20", "--num-prompts", "3", "--burst-prompts", "2", "--input-len", "16",
                                     "--output-len", "4", "--no-sweep", "--repeats", "3"])
     engine = serving_latency.Engine("meshserve", [])
@@ -71,3 +74,12 @@ def test_repeats_must_be_positive(capsys):
     with pytest.raises(SystemExit):
         serving_latency.parse_args(["--repeats", "0"])
     assert "--repeats must be at least 1, got 0" in capsys.readouterr().err
+
+
+def test_metric_reads_one_labelled_sample_of_the_exposition():
+    text = ('# HELP meshserve:engine_step_phase_seconds x\n'
+            'meshserve:engine_step_phase_seconds_sum{phase="forward"} 1.25\n'
+            'meshserve:engine_step_phase_seconds_sum{phase="forward_extra"} 9.0\n'
+            'meshserve:engine_step_phase_seconds_count{phase="forward"} 4.0\n')
+    assert serving_latency._metric(text, "meshserve:engine_step_phase_seconds_sum", phase="forward") == 1.25
+    assert serving_latency._metric(text, "meshserve:engine_step_phase_seconds_sum", phase="sample") == 0.0

@@ -153,6 +153,15 @@ def test_plan_cli_shows_the_simulated_percentiles(capsys):
     # The scheduling knobs reach the simulation: a small chunk cap delays first tokens.
     capped = run_json_sim(capsys, argv + ["--prefill-chunk-with-decodes", "16"])
     assert capped["ttft_p50_ms"] > sim["ttft_p50_ms"]
+    # The serving path outside the engine's steps adds to every first token, and to nothing else.
+    served = run_json_sim(capsys, argv + ["--serving-overhead-ms", "7.5"])
+    assert served["ttft_p50_ms"] == pytest.approx(sim["ttft_p50_ms"] + 7.5)
+    assert served["ttft_p95_ms"] == pytest.approx(sim["ttft_p95_ms"] + 7.5)
+    assert (served["tpot_p50_ms"], served["tpot_p95_ms"]) == (sim["tpot_p50_ms"], sim["tpot_p95_ms"])
+    assert main(argv + ["--serving-overhead-ms", "7.5"]) == 0
+    assert "7.5 ms serving path per TTFT" in capsys.readouterr().out
+    assert main(argv + ["--serving-overhead-ms", "-1"]) == 2
+    assert "--serving-overhead-ms must be >= 0, got -1" in capsys.readouterr().err
 
 
 def run_json_sim(capsys, argv):
