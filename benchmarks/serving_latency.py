@@ -242,7 +242,8 @@ def serving_path_seconds(url: str, requests: int = SERVING_PATH_REQUESTS) -> flo
             with client.stream("POST", "/v1/completions", json=body) as r:
                 r.raise_for_status()
                 lines = (line for line in r.iter_lines() if line.startswith("data: ") and line != "data: [DONE]")
-                first = next(lines) and time.perf_counter() - start
+                next(lines)
+                first = time.perf_counter() - start
                 for _ in lines:  # the rest of the stream: the request is over before the next one
                     pass
             return first
@@ -256,11 +257,10 @@ def serving_path_seconds(url: str, requests: int = SERVING_PATH_REQUESTS) -> flo
 
 def _metric(text: str, name: str, **labels: str) -> float:
     """A sample's value in Prometheus text exposition (0 when absent)."""
-    want = "{" + ",".join(f'{k}="{v}"' for k, v in labels.items()) + "}" if labels else ""
-    for line in text.splitlines():
-        if line.startswith(name + want + " "):
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return next((sample.value for family in text_string_to_metric_families(text) for sample in family.samples
+                 if sample.name == name and sample.labels == labels), 0.0)
 
 
 def max_model_len(a: argparse.Namespace) -> int:

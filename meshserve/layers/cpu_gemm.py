@@ -93,9 +93,9 @@ def warm_up_packed(model: torch.nn.Module, max_token_rows: int, max_sequence_row
     seen: set[tuple] = set()
     calls = 0
     for m in model.modules():
-        if not isinstance(m, PrepackedMatmul) or m._packed is None or row_multiple(m.weight.dtype) == 1:
+        multiple = row_multiple(m.weight.dtype) if isinstance(m, PrepackedMatmul) else 1
+        if multiple == 1 or m._packed is None:
             continue
-        multiple = row_multiple(m.weight.dtype)
         bias = getattr(m, "bias", None) if m.bias_in_matmul else None
         key = (tuple(m.weight.shape), m.weight.dtype, bias is not None)
         if key in seen:

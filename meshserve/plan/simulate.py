@@ -16,7 +16,8 @@ a stated rate the planner replays the engine's policy (engine/scheduler.py) on P
 
 TTFT and TPOT are measured per request as the benchmark measures them (TPOT = (end - first token)
 / (output - 1)), TTFT plus `serving_overhead_s`, the time a served request spends outside the
-engine's steps (front end, hops to and from the engine, streaming; measured, not modelled); each run's percentiles are taken over its requests, and the reported figure is
+engine's steps (front end, hops to and from the engine, streaming; measured, not modelled); each
+run's percentiles are taken over its requests, and the reported figure is
 the median over `runs` seeded runs of `num_requests` requests, which is what a benchmark of that
 many requests started on an idle server will most likely show.
 """
