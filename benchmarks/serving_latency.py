@@ -63,6 +63,7 @@ class Engine:
     sweep: dict | None = None
     sweep_it: bool = True  # variants run the loads only
     serving_path_s: float = 0.0  # a request's time outside the engine's steps (serving_path_seconds)
+    token_path_s: float = 0.0  # serving-path CPU time per streamed token (token_path_seconds)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -151,7 +152,8 @@ async def measure(a: argparse.Namespace, found: list[Engine], urls: list[str], p
             if plan_it:
                 cals = [before] if a.calibration_file else [before, planner_calibration(a)]
                 predicted.setdefault(rate, []).append(
-                    planner_point(a, rate, average_calibrations(cals), found[0].serving_path_s))
+                    planner_point(a, rate, average_calibrations(cals), found[0].serving_path_s,
+                                  found[0].token_path_s))
             print(f"  {engine.name} at {rate:g} req/s: {summary(result)} (load average {os.getloadavg()[0]:.1f})",
                   file=sys.stderr, flush=True)
     for engine in found:
@@ -216,6 +218,9 @@ def run_engines(a: argparse.Namespace, found: list[Engine], planned: dict) -> No
         found[0].serving_path_s = serving_path_seconds(servers[0].url)
         print(f"meshserve: {found[0].serving_path_s * 1e3:.1f} ms a request outside the engine's steps "
               f"(idle server, {SERVING_PATH_REQUESTS} one-token requests)", file=sys.stderr, flush=True)
+        found[0].token_path_s = asyncio.run(token_path_seconds(a, servers[0].url, servers[0].pid))
+        print(f"meshserve: {found[0].token_path_s * 1e3:.2f} ms of serving-path CPU a streamed token "
+              f"(front end and client, {TOKEN_PATH_REQUESTS} streams at once)", file=sys.stderr, flush=True)
         asyncio.run(measure(a, found, [server.url for server in servers], planned))
 
 
@@ -255,6 +260,36 @@ def serving_path_seconds(url: str, requests: int = SERVING_PATH_REQUESTS) -> flo
     return max(0.0, statistics.fmean(ttfts) - steps / requests)
 
 
+TOKEN_PATH_REQUESTS = 4
+TOKEN_PATH_SEED_OFFSET = 1000  # prompts of their own: none of the loads' or the sweep's
+
+
+async def token_path_seconds(a: argparse.Namespace, url: str, frontend_pid: int) -> float:
+    """CPU seconds the server's front end and this benchmark's client spend per streamed token, over
+    a few streams at once on the idle server. On a CPU they run on the cores the engine's threads
+    fill, and a step waits for a thread they displace: the planner adds this to a step per token it
+    emits (`meshserve plan --token-overhead-ms`). Zero where the engine is not on the CPU."""
+    import time
+
+    import psutil
+    import torch
+
+    if torch.cuda.is_available():  # the server's engine runs there
+        return 0.0
+    frontend = psutil.Process(frontend_pid)
+
+    def cpu() -> float:
+        times = frontend.cpu_times()
+        return times.user + times.system + time.process_time()
+
+    async with Benchmark(bench_config(a, url, TOKEN_PATH_REQUESTS)) as bench:
+        requests = await bench.load_requests(seed_offset=TOKEN_PATH_SEED_OFFSET)
+        before = cpu()
+        result = await bench.run(requests, LoadConfig(request_rate=math.inf), label="serving path")
+        spent = cpu() - before
+    return spent / max(1, result["total_output_tokens"])
+
+
 def _metric(text: str, name: str, **labels: str) -> float:
     """A sample's value in Prometheus text exposition (0 when absent)."""
     from prometheus_client.parser import text_string_to_metric_families
@@ -277,9 +312,11 @@ def planner_calibration(a: argparse.Namespace):
     return calibrate(os.path.join(tempfile.mkdtemp(), "calibration.json"), cpu_dtype=a.dtype)[0]
 
 
-def planner_point(a: argparse.Namespace, rate: float, cal, serving_overhead_s: float = 0.0):
+def planner_point(a: argparse.Namespace, rate: float, cal, serving_overhead_s: float = 0.0,
+                  token_overhead_s: float = 0.0):
     """`meshserve plan --gpu this-machine --model SmolLM2-135M --weight-dtype fp32|bf16 --prompt-len 256
-    --output-len 128 --max-model-len 1024 --request-rate R --simulate-requests 32 --serving-overhead-ms S`:
+    --output-len 128 --max-model-len 1024 --request-rate R --simulate-requests 32 --serving-overhead-ms S
+    --token-overhead-ms T`:
     the simulated percentiles of runs like the benchmark's (plan/simulate.py)."""
     from meshserve.plan.catalog import get_model
     from meshserve.plan.planner import PlanConfig, plan
@@ -288,7 +325,8 @@ def planner_point(a: argparse.Namespace, rate: float, cal, serving_overhead_s: f
                              weight_dtype="bf16" if a.dtype == "bfloat16" else "fp32",
                              max_model_len=max_model_len(a), prompt_len=a.input_len, output_len=a.output_len,
                              request_rate=rate, simulate_requests=a.num_prompts,
-                             serving_overhead_ms=serving_overhead_s * 1e3))
+                             serving_overhead_ms=serving_overhead_s * 1e3,
+                             token_overhead_ms=token_overhead_s * 1e3))
     return result.recommended.simulated
 
 

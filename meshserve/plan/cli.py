@@ -54,6 +54,10 @@ def register(subparsers) -> None:
       help="a request's time outside the engine's steps (HTTP front end, tokenization, the hops to and "
            "from the engine, streaming the first token), added to the simulated TTFT (default 0; "
            "benchmarks/serving_latency.py measures it)")
+    a("--token-overhead-ms", type=float, default=0.0,
+      help="the time each streamed token's serving path (front end, clients) takes from the engine's "
+           "steps when they share its CPU cores, added to every simulated step per token it emits "
+           "(default 0; benchmarks/serving_latency.py measures it on a CPU)")
     a("--max-num-batched-tokens", type=int, default=2048,
       help="the simulated engine's token budget per step, as `meshserve serve` takes it (default 2048)")
     a("--prefill-chunk-with-decodes", type=int, default=None, metavar="N",
@@ -142,6 +146,7 @@ def run(args: argparse.Namespace) -> int:
         compute_efficiency=args.compute_efficiency, bandwidth_efficiency=args.bandwidth_efficiency,
         enable_expert_parallel=args.enable_expert_parallel, moe_load_max_to_mean=args.moe_load_max_to_mean,
         simulate_requests=args.simulate_requests, serving_overhead_ms=args.serving_overhead_ms,
+        token_overhead_ms=args.token_overhead_ms,
         max_num_batched_tokens=args.max_num_batched_tokens,
         prefill_chunk_with_decodes=args.prefill_chunk_with_decodes))
     print(json.dumps(to_dict(result), indent=2) if args.json else format_report(result))

@@ -50,6 +50,9 @@ class PlanConfig:
     # A request's time outside the engine's steps (HTTP front end, tokenization, the hops to and from
     # the engine, streaming the first token), added to every simulated TTFT.
     serving_overhead_ms: float = 0.0
+    # The time every streamed token's serving path (front end, clients) takes from the engine's steps
+    # where they share its CPU cores; each simulated step takes that much longer per token it emits.
+    token_overhead_ms: float = 0.0
     # The engine's scheduling knobs the simulation replays, as `meshserve serve` takes them (the
     # chunk cap: None for the engine's default on the device, 0 for none).
     max_num_batched_tokens: int = 2048
@@ -103,7 +106,8 @@ class PlanConfig:
             raise ValueError(f"--prefill-chunk-with-decodes must be >= 0 (0: no cap), got "
                              f"{self.prefill_chunk_with_decodes}")
         for flag, value in (("--kv-transfer-overhead-ms", self.kv_transfer_overhead_ms),
-                            ("--serving-overhead-ms", self.serving_overhead_ms)):
+                            ("--serving-overhead-ms", self.serving_overhead_ms),
+                            ("--token-overhead-ms", self.token_overhead_ms)):
             if value < 0:
                 raise ValueError(f"{flag} must be >= 0, got {value}")
         if self.moe_load_max_to_mean is not None and self.moe_load_max_to_mean < 1:
@@ -289,5 +293,6 @@ def plan(cfg: PlanConfig) -> PlanResult:
                                   max_seqs=best.memory.seqs_of(cfg.prompt_len + cfg.output_len),
                                   num_requests=cfg.simulate_requests, token_budget=cfg.max_num_batched_tokens,
                                   prefill_chunk_with_decodes=cfg.prefill_chunk_with_decodes or None,
-                                  serving_overhead_s=cfg.serving_overhead_ms / 1e3)
+                                  serving_overhead_s=cfg.serving_overhead_ms / 1e3,
+                                  token_overhead_s=cfg.token_overhead_ms / 1e3)
     return PlanResult(cfg, ordered, decision)

@@ -104,7 +104,8 @@ def format_report(result: PlanResult) -> str:
     c = result.config
     knobs = f"{c.max_num_batched_tokens:,} tokens a step" + (
         f", prompts join decodes {c.prefill_chunk_with_decodes:,} tokens at a time" if c.prefill_chunk_with_decodes else "") + (
-        f", {c.serving_overhead_ms:g} ms serving path per TTFT" if c.serving_overhead_ms else "")
+        f", {c.serving_overhead_ms:g} ms serving path per TTFT" if c.serving_overhead_ms else "") + (
+        f", {c.token_overhead_ms:g} ms serving path per streamed token" if c.token_overhead_ms else "")
     for p in (p for p in shown if p.simulated):
         sim = p.simulated
         out += ["", f"Simulated at {sim.rate:g} req/s per replica ({p.layout.name}; median of {sim.runs} runs "

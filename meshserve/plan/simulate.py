@@ -11,8 +11,12 @@ a stated rate the planner replays the engine's policy (engine/scheduler.py) on P
   token budget lasts and fewer than `max_seqs` sequences run (the KV cache's seats);
 * with `prefill_chunk_with_decodes` set, prompt tokens join a step with decodes at most that many
   at a time, unless more prompt tokens wait than one step takes;
-* a step takes PerfModel.mixed_step_time of what it computes; a prompt's first token comes at the
-  end of the step that computes its last prompt token, and each later token one step later.
+* a step takes PerfModel.mixed_step_time of what it computes, plus `token_overhead_s` for each
+  token it emits: where the front end and the clients share the engine's CPU cores, the time they
+  spend on every streamed token (detokenizing, encoding and writing a chunk, reading it) is taken
+  from the engine's steps, whose threads wait for the one displaced (measured, not modelled);
+* a prompt's first token comes at the end of the step that computes its last prompt token, and
+  each later token one step later.
 
 TTFT and TPOT are measured per request as the benchmark measures them (TPOT = (end - first token)
 / (output - 1)), TTFT plus `serving_overhead_s`, the time a served request spends outside the
@@ -27,6 +31,7 @@ import math
 import statistics
 from collections import deque
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
@@ -60,15 +65,18 @@ def _percentile(values: list[float], q: float) -> float:
     return float(np.percentile(values, q)) if values else math.nan
 
 
-def _decode_run(perf: PerfModel, batch: int, context: float, max_steps: int, horizon: float) -> tuple[int, float]:
+StepTime = Callable[[int, float, int, int, float], float]
+
+
+def _decode_run(step: StepTime, batch: int, context: float, max_steps: int, horizon: float) -> tuple[int, float]:
     """(steps, seconds) of the decode-only steps of `batch` sequences from `context` cached tokens in
     all that start before `horizon` seconds from now, at most `max_steps`. A decode step's time is
     affine in its context (the cache read and the attention arithmetic grow with it, nothing else
     does), so k steps take k (first + last) / 2 exactly."""
-    first = perf.mixed_step_time(0, 0.0, batch, batch, context)
+    first = step(0, 0.0, batch, batch, context)
 
     def elapsed(k: int) -> float:
-        return k * (first + perf.mixed_step_time(0, 0.0, batch, batch, context + (k - 1) * batch)) / 2
+        return k * (first + step(0, 0.0, batch, batch, context + (k - 1) * batch)) / 2
 
     if elapsed(max_steps - 1) < horizon:  # every step starts before the horizon
         return max_steps, elapsed(max_steps)
@@ -79,7 +87,7 @@ def _decode_run(perf: PerfModel, batch: int, context: float, max_steps: int, hor
     return lo, elapsed(lo)
 
 
-def _run(perf: PerfModel, work: Workload, arrivals: np.ndarray, max_seqs: int, token_budget: int,
+def _run(step: StepTime, work: Workload, arrivals: np.ndarray, max_seqs: int, token_budget: int,
          chunk_cap: int | None) -> tuple[list[_Seq], float]:
     """One simulated run; returns the finished sequences and the time-averaged batch size."""
     seqs = [_Seq(float(t), work.prompt_len) for t in arrivals]
@@ -121,14 +129,14 @@ def _run(perf: PerfModel, work: Workload, arrivals: np.ndarray, max_seqs: int, t
             # Nothing changes but the context until the next finish or (if it could be admitted)
             # the next arrival: take those decode steps at once.
             horizon = seqs[nxt].arrival - now if nxt < len(seqs) and len(running) < max_seqs else math.inf
-            steps, elapsed = _decode_run(perf, len(decodes), decode_context,
+            steps, elapsed = _decode_run(step, len(decodes), decode_context,
                                          min(work.output_len - s.generated for s in decodes), horizon)
         else:
             prompt_tokens = sum(n for _, n in chunks)
             pairs = sum(n * s.computed + n * (n + 1) / 2 for s, n in chunks)
             ending = sum(1 for s, n in chunks if n == s.prompt_left)
             steps = 1
-            elapsed = perf.mixed_step_time(prompt_tokens, pairs, ending + len(decodes), len(decodes), decode_context)
+            elapsed = step(prompt_tokens, pairs, ending + len(decodes), len(decodes), decode_context)
         now += elapsed
         busy_seq_s += elapsed * len(running)
         for s, n in chunks:
@@ -145,20 +153,32 @@ def _run(perf: PerfModel, work: Workload, arrivals: np.ndarray, max_seqs: int, t
     return seqs, busy_seq_s / now if now > 0 else 0.0
 
 
+def served_steps(perf: PerfModel, token_overhead_s: float = 0.0) -> StepTime:
+    """A served step's time: PerfModel.mixed_step_time of what it computes, plus `token_overhead_s`
+    for each token it emits (its sampled rows)."""
+    def step(prompt_tokens: int, pairs: float, sampled: int, decodes: int, context: float) -> float:
+        return perf.mixed_step_time(prompt_tokens, pairs, sampled, decodes, context) + sampled * token_overhead_s
+
+    return step
+
+
 def simulate(perf: PerfModel, work: Workload, rate: float, *, max_seqs: int, num_requests: int = 200,
              runs: int = 16, token_budget: int = 2048, prefill_chunk_with_decodes: int | None = None,
-             serving_overhead_s: float = 0.0, seed: int = 0) -> SimulatedLatency:
+             serving_overhead_s: float = 0.0, token_overhead_s: float = 0.0, seed: int = 0) -> SimulatedLatency:
     """Median over `runs` Poisson runs of `num_requests` requests at `rate` of the runs' TTFT and
     TPOT percentiles (see the module docstring)."""
     if not rate > 0 or math.isinf(rate):
         raise ValueError(f"rate must be a positive number of requests/s, got {rate}")
     if num_requests < 1 or runs < 1 or max_seqs < 1:
         raise ValueError("num_requests, runs and max_seqs must be at least 1")
+    if serving_overhead_s < 0 or token_overhead_s < 0:
+        raise ValueError("serving_overhead_s and token_overhead_s must be >= 0")
+    step = served_steps(perf, token_overhead_s)
     per_run: list[tuple[float, float, float, float, float]] = []
     for run in range(runs):
         rng = np.random.default_rng(seed + run)
         arrivals = np.concatenate(([0.0], np.cumsum(rng.exponential(1.0 / rate, num_requests - 1))))
-        seqs, running = _run(perf, work, arrivals, max_seqs, token_budget, prefill_chunk_with_decodes)
+        seqs, running = _run(step, work, arrivals, max_seqs, token_budget, prefill_chunk_with_decodes)
         ttft = [s.first_token - s.arrival + serving_overhead_s for s in seqs]
         tpot = [(s.end - s.first_token) / (work.output_len - 1) for s in seqs] if work.output_len > 1 else []
         per_run.append((_percentile(ttft, 50), _percentile(ttft, 95), _percentile(tpot, 50),

@@ -28,6 +28,9 @@ def test_latency_table_has_every_load_and_the_planner_column(tmp_path, capsys):
     # the serving path outside the engine's steps, measured on the idle server: part of a request's TTFT
     path_s = doc["engines"][0]["serving_path_s"]
     assert 0 < path_s < rows[0]["median_ttft_ms"] / 1e3
+    # and the serving path's CPU time per streamed token, which the planner adds to every step
+    token_s = doc["engines"][0]["token_path_s"]
+    assert 0 < token_s < rows[0]["median_tpot_ms"] / 1e3
     assert 0 < sim["ttft_p50_s"] <= sim["ttft_p95_s"] < 10 and 0 < sim["tpot_p50_s"] <= sim["tpot_p95_s"] < 10
 
 
@@ -55,7 +58,7 @@ def test_repeats_run_every_load_again_and_report_the_medians(monkeypatch):
     monkeypatch.setattr(serving_latency, "planner_calibration", lambda a: None)
     monkeypatch.setattr(serving_latency, "average_calibrations", lambda cals: None)
     monkeypatch.setattr(serving_latency, "planner_point",
-                        lambda a, rate, cal, path_s: SimulatedLatency(rate, 3, 1, next(predicted_ttft), 1.0, 0.01, 0.02, 1.0))
+                        lambda a, rate, cal, path_s, token_s: SimulatedLatency(rate, 3, 1, next(predicted_ttft), 1.0, 0.01, 0.02, 1.0))
     a = serving_latency.parse_args(["--rates", "20", "--num-prompts", "3", "--burst-prompts", "2", "--input-len", "16",
                                     "--output-len", "4", "--no-sweep", "--repeats", "3"])
     engine = serving_latency.Engine("meshserve", [])

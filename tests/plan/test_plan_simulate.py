@@ -13,7 +13,7 @@ from meshserve.plan import get_gpu, get_model
 from meshserve.plan.goodput import Workload, operating_point, slo_capacity
 from meshserve.plan.planner import make_perf_model
 from meshserve.plan import simulate as simulate_module
-from meshserve.plan.simulate import _run, simulate
+from meshserve.plan.simulate import _run, served_steps, simulate
 
 
 class AffineSteps:
@@ -27,8 +27,9 @@ class AffineSteps:
                 + self.per_ctx * decode_context)
 
 
-def run(arrivals, prompt, output, *, max_seqs=100, budget=2048, cap=None, perf=None):
-    seqs, _ = _run(perf or AffineSteps(), Workload(prompt, output), np.array(arrivals), max_seqs, budget, cap)
+def run(arrivals, prompt, output, *, max_seqs=100, budget=2048, cap=None, perf=None, token_overhead=0.0):
+    seqs, _ = _run(served_steps(perf or AffineSteps(), token_overhead), Workload(prompt, output), np.array(arrivals),
+                   max_seqs, budget, cap)
     return [(s.first_token - s.arrival, s.end - s.first_token) for s in seqs]
 
 
@@ -40,6 +41,17 @@ def test_a_prompt_arriving_during_another_waits_for_its_step_then_shares_one_wit
     assert b_ttft == pytest.approx(0.222 - 0.05)
     assert a_rest == pytest.approx(0.112 + 0.014)
     assert b_rest == pytest.approx(0.014 + 0.012)
+
+
+def test_every_token_a_step_emits_adds_the_serving_paths_time_to_the_step():
+    (a_ttft, a_rest), (b_ttft, b_rest) = run([0.0, 0.05], 100, 3, token_overhead=0.001)
+    # The steps of the test above, each longer by 1 ms per token it emits: A's prompt step emits
+    # one (0.111); B's prompt ends in A's first decode step, two tokens (0.114); both decode (0.016);
+    # B alone (0.013).
+    assert a_ttft == pytest.approx(0.111)
+    assert b_ttft == pytest.approx(0.111 + 0.114 - 0.05)
+    assert a_rest == pytest.approx(0.114 + 0.016)
+    assert b_rest == pytest.approx(0.016 + 0.013)
 
 
 def test_the_chunk_cap_spreads_a_prompt_over_steps_with_the_running_decodes():
@@ -76,8 +88,8 @@ def test_decode_runs_taken_at_once_match_steps_taken_one_by_one(monkeypatch):
     perf = AffineSteps(per_ctx=1e-5)
     arrivals = np.cumsum(np.random.default_rng(3).exponential(0.15, 30))
     summed = run(arrivals, 50, 40, perf=perf)
-    monkeypatch.setattr(simulate_module, "_decode_run", lambda perf, batch, context, max_steps, horizon:
-                        (1, perf.mixed_step_time(0, 0.0, batch, batch, context)))
+    monkeypatch.setattr(simulate_module, "_decode_run", lambda step, batch, context, max_steps, horizon:
+                        (1, step(0, 0.0, batch, batch, context)))
     assert run(arrivals, 50, 40, perf=perf) == [pytest.approx(r, rel=1e-9) for r in summed]
     alone = run([0.0], 50, 40, perf=perf)[0]
     assert alone[1] == pytest.approx(sum(0.01 + 0.002 + 1e-5 * (51 + k) for k in range(39)))
@@ -90,7 +102,7 @@ def test_decode_runs_taken_at_once_match_steps_taken_one_by_one(monkeypatch):
 def test_every_request_finishes_in_order_of_events(arrivals, prompt, output, budget, cap, max_seqs):
     arrivals = sorted(arrivals)
     perf = AffineSteps(per_ctx=1e-6)
-    seqs, running = _run(perf, Workload(prompt, output), np.array(arrivals), max_seqs, budget, cap)
+    seqs, running = _run(served_steps(perf), Workload(prompt, output), np.array(arrivals), max_seqs, budget, cap)
     fastest_prefill = perf.mixed_step_time(min(prompt, budget), 0, 1, 0, 0)
     for s in seqs:
         assert s.generated == output and s.prompt_left == 0
@@ -162,6 +174,14 @@ def test_plan_cli_shows_the_simulated_percentiles(capsys):
     assert "7.5 ms serving path per TTFT" in capsys.readouterr().out
     assert main(argv + ["--serving-overhead-ms", "-1"]) == 2
     assert "--serving-overhead-ms must be >= 0, got -1" in capsys.readouterr().err
+    # The serving path's time per streamed token lengthens every step, so TTFT and TPOT alike.
+    streamed = run_json_sim(capsys, argv + ["--token-overhead-ms", "2"])
+    assert streamed["tpot_p50_ms"] > sim["tpot_p50_ms"] + 2 - 1e-9
+    assert streamed["ttft_p50_ms"] > sim["ttft_p50_ms"]
+    assert main(argv + ["--token-overhead-ms", "2"]) == 0
+    assert "2 ms serving path per streamed token" in capsys.readouterr().out
+    assert main(argv + ["--token-overhead-ms", "-0.5"]) == 2
+    assert "--token-overhead-ms must be >= 0, got -0.5" in capsys.readouterr().err
 
 
 def run_json_sim(capsys, argv):
