@@ -86,3 +86,13 @@ def test_metric_reads_one_labelled_sample_of_the_exposition():
             'meshserve:engine_step_phase_seconds_count{phase="forward"} 4.0\n')
     assert serving_latency._metric(text, "meshserve:engine_step_phase_seconds_sum", phase="forward") == 1.25
     assert serving_latency._metric(text, "meshserve:engine_step_phase_seconds_sum", phase="sample") == 0.0
+
+
+def test_the_token_path_is_not_charged_where_the_engine_runs_on_a_gpu(monkeypatch):
+    """On a GPU the front end and clients do not displace the engine's threads: nothing is measured
+    (no request is sent: the URL and pid are never used) and the planner adds nothing."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    a = serving_latency.parse_args([])
+    assert asyncio.run(serving_latency.token_path_seconds(a, "http://127.0.0.1:9", -1)) == 0.0
