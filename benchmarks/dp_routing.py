@@ -20,7 +20,7 @@ import urllib.request
 from pathlib import Path
 
 from meshserve.bench.config import BenchConfig, DatasetConfig, LoadConfig
-from meshserve.bench.launch import LaunchedServer, free_port
+from meshserve.utils.server_process import LaunchedServer, free_port
 from meshserve.bench.report import table
 from meshserve.bench.runner import run_serve
 

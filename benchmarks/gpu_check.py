@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from meshserve import LLM, SamplingParams
-from meshserve.plan.calibrate import measure_memory_bandwidth
+from meshserve.calibration.measure import measure_memory_bandwidth
 
 PROMPTS = [
     "The capital of France is",

@@ -31,7 +31,7 @@ import torch
 
 from meshserve import LLM, SamplingParams
 from meshserve.distributed.expert_load import summarize
-from meshserve.plan.calibrate import calibrate
+from meshserve.calibration.measure import calibrate
 from meshserve.plan.catalog import model_from_hf_config
 from meshserve.plan.planner import make_perf_model
 

@@ -45,10 +45,10 @@ import tempfile
 from dataclasses import dataclass, field
 
 from meshserve.bench.config import BenchConfig, DatasetConfig, LoadConfig, parse_csv_floats
-from meshserve.bench.launch import LaunchedServer, free_port
+from meshserve.utils.server_process import LaunchedServer, free_port
 from meshserve.bench.runner import Benchmark
 from meshserve.bench.sweep import SweepConfig, SweepPlan, measure_point, sweep_result
-from meshserve.plan.calibrate import average_calibrations
+from meshserve.plan.calibration import average_calibrations
 
 SERVED_NAME = "smollm2"
 
@@ -305,7 +305,8 @@ def max_model_len(a: argparse.Namespace) -> int:
 def planner_calibration(a: argparse.Namespace):
     """This machine as the planner sees it: --calibration-file, or `meshserve plan --calibrate`
     measured now."""
-    from meshserve.plan.calibrate import calibrate, load_calibration
+    from meshserve.calibration.measure import calibrate
+    from meshserve.plan.calibration import load_calibration
 
     if a.calibration_file:
         return load_calibration(a.calibration_file)

@@ -24,7 +24,7 @@ import aiohttp
 
 from meshserve.bench.client import OpenAIStreamClient
 from meshserve.bench.datasets import BenchRequest
-from meshserve.bench.launch import LaunchedServer, free_port
+from meshserve.utils.server_process import LaunchedServer, free_port
 
 REPO = Path(__file__).resolve().parents[1]
 TARGET_RATIO = 0.85

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import argparse
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, fields, replace
 
 from meshserve.utils.cpuinfo import cpu_flags
 
@@ -50,7 +50,6 @@ class EngineConfig:
     profile_dir: str | None = None  # torch.profiler traces of the workers go here when set
     step_trace: str | None = None  # append one JSON line per engine step here (engine/step_timeline.py)
     enforce_eager: bool = False  # CUDA: no CUDA graphs for decode steps (every step runs eagerly)
-    extra: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         self.dtype = _DTYPE_ALIASES.get(self.dtype, self.dtype)
@@ -72,7 +71,7 @@ class EngineConfig:
             raise ValueError(f"prefill_chunk_with_decodes must be a token count >= 0 (0: no cap), got {cap!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
-        if self.distributed_executor_backend not in ("mp", "ray", "uni"):
+        if self.distributed_executor_backend not in ("mp", "ray"):
             raise ValueError("distributed_executor_backend must be 'mp' or 'ray', "
                              f"got {self.distributed_executor_backend!r}")
         if self.pipeline_split is not None and len(self.pipeline_split) != self.pipeline_parallel_size:
@@ -118,9 +117,7 @@ class EngineConfig:
         return 2048 if self.enable_chunked_prefill else max(2048, max_model_len)
 
     def to_dict(self) -> dict:
-        d = asdict(self)
-        d.pop("extra")
-        return d
+        return asdict(self)
 
     # ---- CLI --------------------------------------------------------------------------
     @staticmethod
@@ -171,7 +168,7 @@ class EngineConfig:
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "EngineConfig":
-        names = {f.name for f in fields(cls)} - {"extra"}
+        names = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in vars(args).items() if k in names})
 
 

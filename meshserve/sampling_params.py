@@ -1,7 +1,7 @@
 """SamplingParams: how one request's tokens are chosen and when it stops. Validated on creation."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 MAX_LOGPROBS = 20
 # Bounds on per-request work: every stop string is searched after every token, and the longest
@@ -39,8 +39,6 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    # Filled by the engine, not by users: the token ids that end generation (EOS).
-    _eos_token_ids: tuple[int, ...] = field(default=(), repr=False)
 
     def __post_init__(self) -> None:
         for name in ("n", "top_k", "min_tokens"):

@@ -47,13 +47,3 @@ def parse_load(text: str) -> ReportedLoad | None:
         except ValueError:
             return None
     return ReportedLoad(**values) if values else None
-
-
-def load_from_stats(stats: dict, queued_in_front_end: int = 0) -> ReportedLoad:
-    """The figures of an engine stats dict (summed over a server's engines)."""
-    return ReportedLoad(
-        running=int(stats.get("num_running", 0)),
-        waiting=max(int(stats.get("num_waiting", 0)), queued_in_front_end),
-        pending_prefill=int(stats.get("pending_prefill_tokens", 0)),
-        free_blocks=int(stats.get("num_free_blocks", 0)), blocks=int(stats.get("num_blocks", 0)),
-        reserved_blocks=int(stats.get("reserved_blocks", 0)), kv=float(stats.get("kv_cache_usage", 0.0)))

@@ -25,7 +25,7 @@ import aiohttp
 
 from meshserve.bench import environment
 from meshserve.bench.config import METRICS, BenchConfig, LoadConfig
-from meshserve.bench.launch import LaunchedServer, free_port
+from meshserve.utils.server_process import LaunchedServer, free_port
 from meshserve.bench.runner import Benchmark
 
 DEFAULT_LAUNCH = ("meshserve serve {model} --port {port} --tensor-parallel-size {tp} "

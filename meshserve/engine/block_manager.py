@@ -29,7 +29,7 @@ import itertools
 from collections import OrderedDict
 from typing import Sequence as Tokens
 
-from meshserve.engine.block_hash import extend_chain, root_hash
+from meshserve.routing.block_hash import extend_chain, root_hash
 from meshserve.engine.sequence import Sequence
 
 _ROOT = 0  # the parent id of a sequence's first block

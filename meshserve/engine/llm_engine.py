@@ -9,15 +9,14 @@ import logging
 import sys
 import time
 import uuid
-from dataclasses import dataclass, field
 
 from meshserve.config import EngineConfig
 from meshserve.engine.block_manager import BlockManager
-from meshserve.engine.messages import RequestDelta, ReserveRequest
-from meshserve.engine.output import RequestState
+from meshserve.engine.messages import EngineStats, LeaseInfo, LeaseLedger, ModelInfo, RequestDelta, ReserveRequest
+from meshserve.engine.output import EngineRequest
 from meshserve.engine.scheduler import Scheduler, SchedulerOutput
 from meshserve.engine.sequence import Sequence
-from meshserve.engine.step import SeqStep, StepInput
+from meshserve.worker.step import SeqStep, StepInput
 from meshserve.engine.step_timeline import StepTimeline
 from meshserve.models.loader import resolve_model
 from meshserve.sampling_params import SamplingParams
@@ -26,33 +25,6 @@ from meshserve.worker.executor import WorkerFailure
 from meshserve.worker.factory import make_executor
 
 logger = logging.getLogger("meshserve")
-
-
-@dataclass
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    num_prompt_tokens: int
-    num_generation_tokens: int
-    num_preemptions: int
-    num_free_blocks: int
-    num_blocks: int
-    reserved_blocks: int = 0  # promised to leases (see BlockManager.reserved_blocks)
-    held_back_blocks: int = 0  # free blocks held back for leases: the rest are anyone's
-    num_leases: int = 0
-    pending_prefill_tokens: int = 0  # prompt tokens admitted or waiting that are not computed yet
-    block_size: int = 16
-    last_step_compute_s: float = 0.0
-    last_step_comm_s: float = 0.0
-    # Per-rank compute/communication seconds (last step and totals): Executor.timing_snapshot().
-    parallel_timing: dict = field(default_factory=dict)
-    # MoE models: tokens routed to each expert of each layer ({} for dense): Executor.expert_load_snapshot().
-    expert_load: dict = field(default_factory=dict)
-    # Seconds of the last step in each phase (engine/step_timeline.py); "ipc" is added by the engine process.
-    step_phases: dict = field(default_factory=dict)
 
 
 class LLMEngine:
@@ -94,8 +66,8 @@ class LLMEngine:
                                           extra_hash_key=self.source.revision)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, self.max_num_batched_tokens,
                                    config.enable_chunked_prefill, config.prefill_chunk_with_decodes or None)
-        self.requests: dict[str, RequestState] = {}
-        self.seq_to_request: dict[int, RequestState] = {}
+        self.requests: dict[str, EngineRequest] = {}
+        self.seq_to_request: dict[int, EngineRequest] = {}
         self._finished_seq_ids: list[int] = []
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
@@ -106,18 +78,16 @@ class LLMEngine:
         logger.info("model %s (revision %s): %d blocks x %d tokens = %d KV tokens (%.2f GiB per rank); "
                     "max_model_len %d, so at most %.2fx concurrency at full length",
                     self.source.model_id, self.source.revision, num_blocks, config.block_size, kv_tokens,
-                    num_blocks * self.executor_block_bytes() / 2**30, self.max_model_len,
+                    num_blocks * self.executor.block_bytes() / 2**30, self.max_model_len,
                     kv_tokens / self.max_model_len)
 
-    def executor_block_bytes(self) -> int:
-        runner = getattr(self.executor, "runner", None)
-        return runner.block_bytes if runner is not None else self.executor.block_bytes()
-
     @property
-    def model_info(self) -> dict:
-        return {"id": self.config.served_model_name or self.source.model_id,
-                "max_model_len": self.max_model_len, "revision": self.source.revision,
-                "vocab_size": self.vocab_size}
+    def model_info(self) -> ModelInfo:
+        return ModelInfo(self.config.served_model_name or self.source.model_id, self.max_model_len,
+                         self.source.revision, self.vocab_size)
+
+    def config_dict(self) -> dict:
+        return self.config.to_dict()
 
     # ---- requests ----------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
@@ -136,7 +106,6 @@ class LLMEngine:
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt is {len(ids)} tokens; it must be shorter than max_model_len "
                              f"({self.max_model_len}) to leave room for at least one generated token")
-        params._eos_token_ids = () if params.ignore_eos else self.eos_token_ids
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         seqs = [Sequence(request_id, i, ids, params, arrival) for i in range(params.n)]
         if lease_id is not None:
@@ -144,8 +113,9 @@ class LLMEngine:
             max_new = min(params.max_tokens, self.max_model_len - len(ids)) if params.max_tokens is not None \
                 else self.max_model_len - len(ids)
             self.block_manager.bind(lease_id, request_id, seqs, max_new)
-        state = RequestState(request_id, ids, params, self.tokenizer, arrival, seqs)
+        state = EngineRequest(request_id, ids, params, self.tokenizer, arrival, seqs)
         state.lease_id = lease_id
+        state.eos_token_ids = () if params.ignore_eos else self.eos_token_ids
         self.requests[request_id] = state
         for s in seqs:
             self.seq_to_request[s.seq_id] = state
@@ -161,14 +131,14 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
-    def _finish_request(self, state: RequestState, reason: str) -> None:
+    def _finish_request(self, state: EngineRequest, reason: str) -> None:
         for seq in state.seqs:
             if not seq.is_finished:
                 self.scheduler.finish(seq, reason)
         state.finish_all(reason)
         self._retire(state, time.monotonic())
 
-    def _retire(self, state: RequestState, now: float) -> None:
+    def _retire(self, state: EngineRequest, now: float) -> None:
         state.metrics.finished_time = now
         del self.requests[state.request_id]
         if state.lease_id is not None:  # completion, abort or failure: the lease ends with it
@@ -251,7 +221,7 @@ class LLMEngine:
 
     def _update(self, sched: SchedulerOutput, sampled) -> list[RequestDelta]:
         now = time.monotonic()
-        touched: dict[str, RequestState] = {}
+        touched: dict[str, EngineRequest] = {}
         row = 0
         for item in sched.scheduled:
             seq = item.seq
@@ -273,7 +243,7 @@ class LLMEngine:
                 self._retire(state, now)
         return deltas
 
-    def _append_token(self, state: RequestState, seq: Sequence, token: int, lp, now: float) -> None:
+    def _append_token(self, state: EngineRequest, seq: Sequence, token: int, lp, now: float) -> None:
         seq.token_ids.append(token)
         self.num_generation_tokens += 1
         m = state.metrics
@@ -285,7 +255,7 @@ class LLMEngine:
         p = seq.params
         reason, stop_reason = None, None
         may_stop = seq.num_output_tokens >= p.min_tokens
-        if may_stop and (token in p.stop_token_ids or token in p._eos_token_ids):
+        if may_stop and (token in p.stop_token_ids or token in state.eos_token_ids):
             reason, stop_reason = "stop", (token if token in p.stop_token_ids else None)
         elif p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens:
             reason = "length"
@@ -299,7 +269,7 @@ class LLMEngine:
             self.scheduler.finish(seq, sample.finish_reason, sample.stop_reason)
 
     # ---- reservations ------------------------------------------------------------------
-    def reserve(self, req: ReserveRequest) -> dict | None:
+    def reserve(self, req: ReserveRequest) -> LeaseInfo | None:
         """Grant a lease for `req` against the blocks not held back already, or None."""
         self.reconcile_leases()
         if not req.prompt_token_ids or len(req.prompt_token_ids) >= self.max_model_len:
@@ -329,33 +299,32 @@ class LLMEngine:
                             lease.lease_id, lease.request_id, lease.blocks)
                 bm.release(lease.lease_id)
 
-    def leases(self) -> dict:
+    def leases(self) -> LeaseLedger:
         """The ledger: every live lease and the totals, for GET /v1/reservations."""
         self.reconcile_leases()
         bm, now = self.block_manager, time.monotonic()
-        return {"num_blocks": bm.num_blocks, "block_size": bm.block_size, "free_blocks": bm.num_free_blocks,
-                "reserved_blocks": bm.reserved_blocks, "held_back_blocks": bm.held_back,
-                "peak_reserved_blocks": bm.peak_reserved,
-                "leases": [self._lease_info(lease, now) for lease in bm.leases.values()]}
+        return LeaseLedger(bm.num_blocks, bm.block_size, bm.num_free_blocks, bm.reserved_blocks, bm.held_back,
+                           bm.peak_reserved, [self._lease_info(lease, now) for lease in bm.leases.values()])
 
-    def _lease_info(self, lease, now: float) -> dict:
-        return {"lease_id": lease.lease_id, "request_id": lease.request_id, "attempt_id": lease.attempt_id,
-                "blocks": lease.blocks, "pinned_blocks": len(lease.pinned), "taken_blocks": lease.taken,
-                "bound": lease.bound_to is not None, "expires_in_s": round(lease.expires_at - now, 3)}
+    @staticmethod
+    def _lease_info(lease, now: float) -> LeaseInfo:
+        return LeaseInfo(lease.lease_id, lease.request_id, lease.attempt_id, lease.blocks, len(lease.pinned),
+                         lease.taken, lease.bound_to is not None, round(lease.expires_at - now, 3))
 
     def get_stats(self) -> EngineStats:
         bm = self.block_manager
         sched = self.scheduler
         pending = sum(s.num_tokens - s.num_computed_tokens for s in sched.waiting) + sum(
             s.num_tokens - s.num_computed_tokens for s in sched.running if s.num_computed_tokens < s.num_prompt_tokens)
-        return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), bm.usage, bm.prefix_queries,
-                           bm.prefix_hits, self.num_prompt_tokens, self.num_generation_tokens,
-                           self.scheduler.num_preemptions, bm.num_free_blocks, bm.num_blocks,
-                           bm.reserved_blocks, bm.held_back, len(bm.leases), pending, bm.block_size,
-                           self.last_step_compute_s, self.last_step_comm_s,
-                           parallel_timing=self.executor.timing_snapshot(),
-                           expert_load=self.executor.expert_load_snapshot(),
-                           step_phases=dict(self.timeline.last))
+        return EngineStats(
+            num_running=len(sched.running), num_waiting=len(sched.waiting), kv_cache_usage=bm.usage,
+            prefix_cache_queries=bm.prefix_queries, prefix_cache_hits=bm.prefix_hits,
+            num_prompt_tokens=self.num_prompt_tokens, num_generation_tokens=self.num_generation_tokens,
+            num_preemptions=sched.num_preemptions, num_free_blocks=bm.num_free_blocks, num_blocks=bm.num_blocks,
+            reserved_blocks=bm.reserved_blocks, held_back_blocks=bm.held_back, num_leases=len(bm.leases),
+            pending_prefill_tokens=pending, block_size=bm.block_size, last_step_compute_s=self.last_step_compute_s,
+            last_step_comm_s=self.last_step_comm_s, parallel_timing=self.executor.timing_snapshot(),
+            expert_load=self.executor.expert_load_snapshot(), step_phases=dict(self.timeline.last))
 
     def check_health(self) -> None:
         """Raise (WorkerFailure) if a rank is gone, even while no request is running."""
@@ -365,6 +334,9 @@ class LLMEngine:
         """What an idle engine process waits on besides its inbox: rank sentinels, and how often to
         call check_health when there are none to wait on."""
         return self.executor.sentinels(), self.executor.health_check_interval
+
+    def record_ipc(self, seconds: float) -> None:
+        self.timeline.add("ipc", seconds)
 
     def shutdown(self) -> None:
         if self.config.profile and self.timeline.steps:

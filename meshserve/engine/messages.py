@@ -1,29 +1,34 @@
-"""What crosses the engine-process boundary, in both directions.
+"""Everything that crosses the engine-process boundary, as types. Both sides dispatch on the type.
 
-Front end -> engine: ops, each a tuple ("add", AddRequest), ("abort", [request ids]), ("shutdown",),
-and calls that want an answer: ("call", reply id, method, argument) with method "reserve"
-(ReserveRequest), "release" (lease id) or "leases" (None).
-Engine -> front end: RequestDelta per request that moved in a step (only what is new since the last
-step), plus stats; ("reply", reply id, result, error message or None) for each call. Both sides
-import these types; neither imports the other's process code.
+Front end -> engine (`EngineOp`, a list of them per pipe message):
+  `AddRequest`      queue a request (optionally drawing on a lease this engine granted)
+  `AbortRequests`   stop requests wherever they are (unknown ids are ignored)
+  `EngineCall`      a question with an answer (`CallMethod`: reserve, release, leases)
+  `Shutdown`        stop the loop and the ranks
+
+Engine -> front end (`EngineEvent`, one per pipe message):
+  `EngineReady`     the model is loaded: its `ModelInfo`, the tokenizer, the resolved configuration
+  `StepOutput`      one step: its timestamp, a `RequestDelta` per request that moved, `EngineStats`
+  `StatsUpdate`     the engine's figures changed while idle (after aborts, say)
+  `CallReply`       the answer to an `EngineCall`: a result, or a `CallError` with its kind
+  `RequestRejected` an `AddRequest` the engine refused, with the `RejectKind`
+  `EngineFatal`     the process is ending (`FatalKind`: it crashed, or refused its configuration)
+
+A call is answered between steps, so a grant and the requests the scheduler admits never
+interleave: the engine's ledger is the one authority on its KV. Neither side imports the other's
+process code; both import this module.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import enum
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
 from meshserve.outputs import RequestMetrics
 from meshserve.sampling_params import SamplingParams
 
 
-@dataclass(slots=True)
-class AddRequest:
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    arrival_time: float
-    lease_id: str | None = None  # a KV reservation granted by this engine
-
-
+# ---- payloads -------------------------------------------------------------------------------
 @dataclass(slots=True)
 class ReserveRequest:
     """Ask for the KV blocks of a request before sending it: its prompt, output budget and samples."""
@@ -33,6 +38,34 @@ class ReserveRequest:
     ttl_s: float = 30.0  # an unused lease ends after this long
     request_id: str = ""  # the client's request and attempt, recorded in the ledger
     attempt_id: str = ""
+
+
+@dataclass(slots=True)
+class LeaseInfo:
+    """One lease as the ledger shows it (POST and GET /v1/reservations)."""
+    lease_id: str
+    request_id: str
+    attempt_id: str
+    blocks: int
+    pinned_blocks: int
+    taken_blocks: int
+    bound: bool
+    expires_in_s: float
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(slots=True)
+class LeaseLedger:
+    """An engine's whole ledger: its blocks and every live lease."""
+    num_blocks: int
+    block_size: int
+    free_blocks: int
+    reserved_blocks: int
+    held_back_blocks: int
+    peak_reserved_blocks: int
+    leases: list[LeaseInfo]
 
 
 @dataclass(slots=True)
@@ -55,3 +88,152 @@ class RequestDelta:
     finished: bool
     error: str | None = None
     metrics: RequestMetrics | None = None
+
+
+@dataclass(kw_only=True)
+class EngineStats:
+    """An engine's figures after a step: what /metrics, the load report and routing read."""
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+    num_preemptions: int = 0
+    num_free_blocks: int = 0
+    num_blocks: int = 0
+    reserved_blocks: int = 0  # promised to leases (see BlockManager.reserved_blocks)
+    held_back_blocks: int = 0  # free blocks held back for leases: the rest are anyone's
+    num_leases: int = 0
+    pending_prefill_tokens: int = 0  # prompt tokens admitted or waiting that are not computed yet
+    block_size: int = 16
+    last_step_compute_s: float = 0.0
+    last_step_comm_s: float = 0.0
+    # Per-rank compute/communication seconds (last step and totals): Executor.timing_snapshot().
+    parallel_timing: dict = field(default_factory=dict)
+    # MoE models: tokens routed to each expert of each layer ({} for dense): Executor.expert_load_snapshot().
+    expert_load: dict = field(default_factory=dict)
+    # Seconds of the last step in each phase (engine/step_timeline.py); "ipc" is added by the engine process.
+    step_phases: dict = field(default_factory=dict)
+
+    @property
+    def unpromised_free_blocks(self) -> int:
+        """Free blocks that no lease has a claim on."""
+        return self.num_free_blocks - self.held_back_blocks
+
+    def same_state(self, other: EngineStats | None) -> bool:
+        """The same figures, the last step's phase times aside (they are no news once idle)."""
+        return other is not None and {**asdict(self), "step_phases": None} == {**asdict(other), "step_phases": None}
+
+
+@dataclass(slots=True)
+class ModelInfo:
+    """What the front end needs to know of the served model."""
+    id: str
+    max_model_len: int
+    revision: str | None = None
+    vocab_size: int | None = None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+# ---- front end -> engine --------------------------------------------------------------------
+@dataclass(slots=True)
+class AddRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+    lease_id: str | None = None  # a KV reservation granted by this engine
+
+
+@dataclass(slots=True)
+class AbortRequests:
+    request_ids: list[str]
+
+
+class CallMethod(enum.Enum):
+    RESERVE = "reserve"   # argument: ReserveRequest; result: LeaseInfo, or None when it does not fit
+    RELEASE = "release"   # argument: the engine's lease id; result: whether it existed
+    LEASES = "leases"     # no argument; result: LeaseLedger
+
+
+@dataclass(slots=True)
+class EngineCall:
+    reply_id: int
+    method: CallMethod
+    argument: Any = None
+
+
+@dataclass(slots=True)
+class Shutdown:
+    pass
+
+
+EngineOp = AddRequest | AbortRequests | EngineCall | Shutdown
+
+
+# ---- engine -> front end --------------------------------------------------------------------
+@dataclass(slots=True)
+class EngineReady:
+    model: ModelInfo
+    tokenizer: Any = field(repr=False)
+    config: dict = field(default_factory=dict)  # the engine's resolved configuration (JSON values)
+
+
+@dataclass(slots=True)
+class StepOutput:
+    timestamp: float  # the engine process's time.monotonic() when the step ended
+    deltas: list[RequestDelta]
+    stats: EngineStats
+
+
+@dataclass(slots=True)
+class StatsUpdate:
+    stats: EngineStats
+
+
+class CallErrorKind(enum.Enum):
+    UNSUPPORTED = "unsupported"  # this engine does not answer the method (no reservations)
+    INVALID = "invalid"          # the argument is wrong (its message names it)
+
+
+@dataclass(slots=True)
+class CallError:
+    kind: CallErrorKind
+    message: str
+
+
+@dataclass(slots=True)
+class CallReply:
+    reply_id: int
+    result: Any = None
+    error: CallError | None = None
+
+
+class RejectKind(enum.Enum):
+    INVALID = "invalid"          # the request itself is wrong: the client's to fix
+    RESERVATION = "reservation"  # the lease it names cannot cover it: the caller's to redo
+
+
+@dataclass(slots=True)
+class RequestRejected:
+    request_id: str
+    message: str
+    kind: RejectKind = RejectKind.INVALID
+
+
+class FatalKind(enum.Enum):
+    CRASHED = "crashed"                # restart it
+    INVALID_CONFIG = "invalid_config"  # it would refuse the same configuration again
+
+
+@dataclass(slots=True)
+class EngineFatal:
+    message: str
+    kind: FatalKind = FatalKind.CRASHED
+
+
+EngineEvent = EngineReady | StepOutput | StatsUpdate | CallReply | RequestRejected | EngineFatal

@@ -2,7 +2,7 @@
 
 Each sample (one of n) detokenizes incrementally, checks stop strings on a bounded window and holds
 back the last characters that could still be the start of a stop string. A step hands out only
-what is new (`RequestState.take_delta`): the work per step is proportional to the tokens generated
+what is new (`EngineRequest.take_delta`): the work per step is proportional to the tokens generated
 in it, never to the length of the answer so far.
 """
 from __future__ import annotations
@@ -86,7 +86,7 @@ class SampleState:
                            self.finish_reason, self.stop_reason)
 
 
-class RequestState:
+class EngineRequest:
     """One request in the engine: its sequences' outputs, timestamps, and what was handed out."""
 
     def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams, tokenizer: Tokenizer,
@@ -97,6 +97,7 @@ class RequestState:
         self.metrics = RequestMetrics(arrival_time=arrival)
         self.error: str | None = None
         self.lease_id: str | None = None  # the KV reservation it draws on
+        self.eos_token_ids: tuple[int, ...] = ()  # the ids that end its samples (none with ignore_eos)
 
     @property
     def finished(self) -> bool:

@@ -15,7 +15,7 @@ examples:
 
 
 def register(subparsers) -> None:
-    from meshserve.engine.routing import POLICIES, CacheAwareConfig
+    from meshserve.routing.policies import POLICIES, CacheAwareConfig
 
     d = CacheAwareConfig()
     p = subparsers.add_parser(
@@ -87,7 +87,7 @@ def add_gateway_options(p: argparse.ArgumentParser, d, shared: bool = True) -> N
 
 
 def config_from_args(args: argparse.Namespace, backends: list[str], host: str, port: int):
-    from meshserve.engine.routing import CacheAwareConfig
+    from meshserve.routing.policies import CacheAwareConfig
     from meshserve.gateway.config import GatewayConfig
 
     cache_aware = CacheAwareConfig(prefix_credit=args.prefix_credit, decode_weight=args.decode_weight,

@@ -16,7 +16,7 @@ import signal
 import sys
 import tempfile
 
-from meshserve.bench.launch import LaunchedServer, free_port
+from meshserve.utils.server_process import LaunchedServer, free_port
 
 logger = logging.getLogger(__name__)
 

@@ -60,7 +60,7 @@ _FLEET_ONLY = {"gateway", "data_parallel_size", "host", "port", "api_key", "poli
 
 
 def add_fleet_options(p: argparse.ArgumentParser) -> None:
-    from meshserve.engine.routing import POLICIES, CacheAwareConfig
+    from meshserve.routing.policies import POLICIES, CacheAwareConfig
     from meshserve.entrypoints.gateway_cli import add_gateway_options
 
     g = p.add_argument_group("fleet (--gateway)")

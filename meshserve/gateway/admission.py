@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import aiohttp
 
 from meshserve.api.errors import APIError, bad_request
-from meshserve.engine.routing import RouteRequest, RoutingPolicy, Score
+from meshserve.routing.policies import RouteRequest, RoutingPolicy, Score
 from meshserve.gateway.config import GatewayConfig
 from meshserve.gateway.replicas import LeaseRecord, Replica, ReplicaIdentity, ReplicaSet
 

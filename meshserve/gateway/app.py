@@ -36,7 +36,7 @@ from meshserve.api.sse import (
     JSONBytesResponse,
     cancel_on_disconnect,
 )
-from meshserve.engine.routing import make_policy
+from meshserve.routing.policies import make_policy
 from meshserve.gateway.admission import DEADLINE_HEADER, Admission, Deadline, Reserver
 from meshserve.gateway.config import GatewayConfig
 from meshserve.gateway.failover import FailureProtocol, GatewayRequest

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
-from meshserve.engine.routing import POLICIES, CacheAwareConfig
+from meshserve.routing.policies import POLICIES, CacheAwareConfig
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 

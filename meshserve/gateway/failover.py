@@ -30,7 +30,7 @@ from opentelemetry import trace
 
 from meshserve.api.errors import APIError, error_body
 from meshserve.api.sse import DONE, sse_event
-from meshserve.engine.routing import RouteRequest
+from meshserve.routing.policies import RouteRequest
 from meshserve.gateway.admission import (
     Admission,
     AdmissionRequest,

@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 import aiohttp
 
 from meshserve.api.load import LOAD_HEADER, ReportedLoad, parse_load
-from meshserve.engine.block_hash import root_hash
-from meshserve.engine.routing import ReplicaLoad
+from meshserve.routing.block_hash import root_hash
+from meshserve.routing.policies import ReplicaLoad
 from meshserve.gateway.config import GatewayConfig
 
 logger = logging.getLogger(__name__)

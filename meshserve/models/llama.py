@@ -11,7 +11,7 @@ from torch import nn
 from meshserve.distributed.parallel_state import get_parallel_state
 from meshserve.layers.activation import silu_and_mul
 from meshserve.layers.attention import AttentionMetadata, PagedAttention
-from meshserve.layers.cpu_decoder_stack import CPUDecoderStack
+from meshserve.models.cpu_decoder_stack import CPUDecoderStack
 from meshserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from meshserve.layers.linear import (
     MergedColumnParallelLinear,
@@ -129,9 +129,10 @@ class LlamaForCausalLM(nn.Module):
         self.cpu_stack: CPUDecoderStack | None = None  # set by use_cpu_stack once the weights are packed
 
     def use_cpu_stack(self) -> None:
-        """Run the layers through the C++ loop when they qualify (layers/cpu_decoder_stack.py);
+        """Run the layers through the C++ loop when they qualify (models/cpu_decoder_stack.py);
         cpu_gemm.prepack_model calls it once the weights are packed."""
-        self.cpu_stack = CPUDecoderStack.build(list(self.layers.values()), get_parallel_state().tp_size)
+        self.cpu_stack = CPUDecoderStack.build(list(self.layers.values()), get_parallel_state().tp_size,
+                                              LlamaAttention, LlamaMLP)
 
     def make_layer(self, cfg: ModelConfig, layer: int, rotary: RotaryEmbedding) -> nn.Module:
         return LlamaDecoderLayer(cfg, rotary)

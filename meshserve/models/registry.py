@@ -40,11 +40,6 @@ def _discover() -> None:
     _discovered = True
 
 
-def supported_architectures() -> list[str]:
-    _discover()
-    return sorted(_CLASSES)
-
-
 def check_supported(architecture: str) -> None:
     _discover()
     if architecture not in _CLASSES:

@@ -66,10 +66,6 @@ GPUS: dict[str, GPUSpec] = {g.name: g for g in (
 THIS_MACHINE = "this-machine"
 
 
-def model_names() -> list[str]:
-    return list(MODELS)
-
-
 def gpu_names() -> list[str]:
     return [*GPUS, THIS_MACHINE]
 
@@ -93,9 +89,7 @@ def get_model(name_or_path: str) -> ModelSpec:
 def get_gpu(name: str, calibration_file: str | Path | None = None) -> GPUSpec:
     """A catalog GPU, or `this-machine` built from the cached calibration."""
     if name.lower() == THIS_MACHINE:
-        from .calibrate import (
-            load_calibration,  # torch stays unimported until measuring
-        )
+        from .calibration import load_calibration
         return load_calibration(calibration_file).to_gpu_spec()
     for gpu in GPUS.values():
         if gpu.name.lower() == name.lower():

@@ -3,8 +3,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
+from pathlib import Path
 
+from .calibration import Calibration, load_calibration
 from .units import KV_DTYPES, WEIGHT_DTYPES
 
 EPILOG = """examples:
@@ -101,6 +104,19 @@ def _list_gpus() -> str:
     return "\n".join(lines + [f"{THIS_MACHINE}: measured by `meshserve plan --calibrate`"])
 
 
+def _calibrate(path: str | None, cpu_dtype: str) -> tuple[Calibration, Path]:
+    """Measure this machine in a child process (`meshserve.calibration`: torch and the engine's
+    kernels), then read what it wrote."""
+    argv = [sys.executable, "-m", "meshserve.calibration", "--cpu-dtype", cpu_dtype]
+    if path:
+        argv += ["--calibration-file", str(path)]
+    done = subprocess.run(argv, stdout=subprocess.PIPE, text=True)
+    if done.returncode != 0:
+        raise ValueError(f"the calibration failed (exit code {done.returncode}; its error is above)")
+    written = Path(done.stdout.strip().splitlines()[-1])
+    return load_calibration(written), written
+
+
 def run(args: argparse.Namespace) -> int:
     from .catalog import THIS_MACHINE, get_gpu, get_model, gpu_names
 
@@ -109,12 +125,10 @@ def run(args: argparse.Namespace) -> int:
         return 0
     log = sys.stderr if args.json else sys.stdout
     if args.calibrate:
-        from .calibrate import calibrate
-
         if args.gpu and args.gpu.lower() != THIS_MACHINE:
             raise ValueError(f"--calibrate plans for this machine; drop --gpu {args.gpu}")
         # On a CPU, measure in the dtype the plan's weights have (bf16 runs on AMX where there is one).
-        cal, path = calibrate(args.calibration_file, cpu_dtype="bfloat16" if args.weight_dtype == "bf16" else "float32")
+        cal, path = _calibrate(args.calibration_file, "bfloat16" if args.weight_dtype == "bf16" else "float32")
         gpu = cal.to_gpu_spec()
         print(f"calibrated {cal.device}: matmul {cal.matmul_flops / 1e9:,.1f} GFLOP/s "
               f"({cal.matmul_dtype}), memory {cal.memory_bandwidth / 1e9:,.1f} GB/s, all-reduce "

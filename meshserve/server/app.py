@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import asdict
 
 from fastapi import FastAPI
 from starlette.requests import Request
@@ -20,7 +21,7 @@ from meshserve.api.protocol import (
 from meshserve.api.sse import JSONBytesResponse
 from meshserve.distributed.expert_load import summarize
 from meshserve.engine.messages import ReserveRequest
-from meshserve.server.engine_client import EngineCallError, EngineDeadError
+from meshserve.engine.client import EngineCallError, EngineDeadError
 from meshserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from meshserve.server.serving import ServingContext
 from meshserve.server.serving_chat import create_chat_completion
@@ -72,7 +73,7 @@ def build_app(ctx: ServingContext, metrics: ServerMetrics, engine_config: dict) 
 
     @app.get("/server_info")
     async def server_info() -> Response:
-        return JSONBytesResponse({"version": meshserve.__version__, "model": ctx.model_info,
+        return JSONBytesResponse({"version": meshserve.__version__, "model": ctx.model_info.to_dict(),
                                   "served_model_name": ctx.model_name, "engine_config": engine_config,
                                   "server_config": ctx.config.public_dict(), **ctx.identity,
                                   "reservations": True})
@@ -100,13 +101,15 @@ def build_app(ctx: ServingContext, metrics: ServerMetrics, engine_config: dict) 
         except EngineDeadError as exc:
             raise APIError(503, str(exc), code="engine_unavailable", headers={"Retry-After": "5"}) from None
         except EngineCallError as exc:
-            code = "reservations_unsupported" if "does not support" in str(exc) else "invalid_parameter"
-            raise APIError(501 if code == "reservations_unsupported" else 400, str(exc), code=code) from None
+            if exc.unsupported:
+                raise APIError(501, str(exc), code="reservations_unsupported") from None
+            raise APIError(400, str(exc), code="invalid_parameter") from None
         if lease is None:
             raise APIError(409, "not enough unreserved KV blocks for this request now",
                            code="insufficient_kv_capacity", headers={"Retry-After": "1"})
-        lease["expires_at"] = round(time.time() + lease["expires_in_s"], 3)
-        return JSONBytesResponse(lease, status_code=201)
+        body = lease.to_dict()
+        body["expires_at"] = round(time.time() + lease.expires_in_s, 3)
+        return JSONBytesResponse(body, status_code=201)
 
     @app.delete("/v1/reservations/{lease_id}")
     async def release(lease_id: str) -> Response:
@@ -129,9 +132,11 @@ def build_app(ctx: ServingContext, metrics: ServerMetrics, engine_config: dict) 
         except EngineCallError as exc:
             raise APIError(501, str(exc), code="reservations_unsupported") from None
         return JSONBytesResponse({
-            "num_blocks": sum(e["num_blocks"] for e in engines),
-            "reserved_blocks": sum(e["reserved_blocks"] for e in engines),
-            "leases": [lease for e in engines for lease in e.pop("leases")], "engines": engines})
+            "num_blocks": sum(ledger.num_blocks for _, ledger in engines),
+            "reserved_blocks": sum(ledger.reserved_blocks for _, ledger in engines),
+            "leases": [lease.to_dict() for _, ledger in engines for lease in ledger.leases],
+            "engines": [{"engine": rank, **{k: v for k, v in asdict(ledger).items() if k != "leases"}}
+                        for rank, ledger in engines]})
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> Response:

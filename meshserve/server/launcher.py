@@ -10,8 +10,9 @@ import signal
 from typing import Any, Callable, Sequence
 
 from meshserve.distributed.placement import place_for_device
-from meshserve.server.engine_client import EngineClient, SupervisorPolicy
-from meshserve.server.engine_core import build_llm_engine, config_dict
+from meshserve.engine.client import EngineClient
+from meshserve.engine.core_proc import build_llm_engine
+from meshserve.engine.supervisor import SupervisorPolicy
 from meshserve.server.metrics import ServerMetrics, register_moe_metrics, register_parallel_metrics
 from meshserve.server.server_config import ServerConfig
 
@@ -37,9 +38,8 @@ def run_server(engine_config: Any, config: ServerConfig,
     client.listener = metrics
     info = client.start()
     # For /server_info: the configuration as the engine process holds it (the resolved context
-    # length is in model_info).
-    reported = info.config or config_dict(engine_config)
-    reported = public_config({**reported, "data_parallel_size": config.data_parallel_size})
+    # length is in its ModelInfo).
+    reported = public_config({**info.config, "data_parallel_size": config.data_parallel_size})
     try:
         return asyncio.run(_serve(client, metrics, config, reported))
     finally:

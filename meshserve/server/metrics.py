@@ -13,6 +13,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from meshserve.distributed.expert_load import summarize
 from meshserve.distributed.timing import comm_kinds_in
+from meshserve.engine.client import FleetStats
 
 PREFIX = "meshserve:"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -27,22 +28,23 @@ _PHASE_BUCKETS = (0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05,
 _E2E_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0,
                 500.0, 1000.0, 2000.0)
 
-# engine stats key -> (metric name, help, is_counter)
-_ENGINE_SERIES = (
-    ("num_running", "num_requests_running", "Requests in the running batch.", False),
-    ("num_waiting", "num_requests_waiting", "Requests waiting to be scheduled.", False),
-    ("kv_cache_usage", "kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0..1).", False),
-    ("num_prompt_tokens", "prompt_tokens", "Prompt tokens processed.", True),
-    ("num_generation_tokens", "generation_tokens", "Tokens generated.", True),
-    ("prefix_cache_queries", "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", True),
-    ("prefix_cache_hits", "prefix_cache_hits", "Prompt tokens found in the prefix cache.", True),
-    ("replicas_alive", "engine_replicas_alive", "Engine replicas taking work.", False),
-    ("engine_restarts", "engine_restarts", "Engine processes restarted after a crash.", True),
+# (metric name, help, is_counter, its value in the engines' stats)
+_ENGINE_SERIES: tuple[tuple[str, str, bool, Callable[[FleetStats], float]], ...] = (
+    ("num_requests_running", "Requests in the running batch.", False, lambda f: f.engines.num_running),
+    ("num_requests_waiting", "Requests waiting to be scheduled.", False, lambda f: f.engines.num_waiting),
+    ("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0..1).", False, lambda f: f.engines.kv_cache_usage),
+    ("prompt_tokens", "Prompt tokens processed.", True, lambda f: f.engines.num_prompt_tokens),
+    ("generation_tokens", "Tokens generated.", True, lambda f: f.engines.num_generation_tokens),
+    ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", True,
+     lambda f: f.engines.prefix_cache_queries),
+    ("prefix_cache_hits", "Prompt tokens found in the prefix cache.", True, lambda f: f.engines.prefix_cache_hits),
+    ("engine_replicas_alive", "Engine replicas taking work.", False, lambda f: f.replicas_alive),
+    ("engine_restarts", "Engine processes restarted after a crash.", True, lambda f: f.engine_restarts),
 )
 
 
 class _EngineStatsCollector:
-    def __init__(self, read_stats: Callable[[], dict]) -> None:
+    def __init__(self, read_stats: Callable[[], FleetStats]) -> None:
         self._read = read_stats
 
     def describe(self):
@@ -50,15 +52,15 @@ class _EngineStatsCollector:
 
     def collect(self):
         stats = self._read()
-        for key, name, doc, is_counter in _ENGINE_SERIES:
+        for name, doc, is_counter, value in _ENGINE_SERIES:
             family = CounterMetricFamily if is_counter else GaugeMetricFamily
-            yield family(PREFIX + name, doc, value=float(stats.get(key, 0)))
+            yield family(PREFIX + name, doc, value=float(value(stats)))
 
 
 class ServerMetrics:
     """Also the EngineClient's listener: it is told about tokens, finishes and aborts as they happen."""
 
-    def __init__(self, read_stats: Callable[[], dict]) -> None:
+    def __init__(self, read_stats: Callable[[], FleetStats]) -> None:
         self.registry = CollectorRegistry()
         self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Time to first token.",
                               buckets=_TTFT_BUCKETS, registry=self.registry)

@@ -17,7 +17,7 @@ from starlette.responses import Response
 from meshserve.api.errors import APIError, bad_request, error_body, from_value_error
 from meshserve.api.json_body import parse, read_json  # noqa: F401  (the handlers import them from here)
 from meshserve.api.limits import resolve_max_tokens
-from meshserve.api.load import SSE_LOAD_PREFIX, format_load, load_from_stats
+from meshserve.api.load import SSE_LOAD_PREFIX, ReportedLoad, format_load
 from meshserve.api.protocol import ChatMessage, SamplingFields
 from meshserve.api.sse import (
     DONE,
@@ -28,7 +28,7 @@ from meshserve.api.sse import (
 )
 from meshserve.engine.messages import RequestDelta
 from meshserve.sampling_params import SamplingParams
-from meshserve.server.engine_client import (
+from meshserve.engine.client import (
     EngineCallError,
     EngineClient,
     EngineDeadError,
@@ -58,25 +58,29 @@ class ServingContext:
         self.client = client
         self.config = config
         self.tokenizer = info.tokenizer
-        self.model_info = info.model_info
-        self.max_model_len: int = int(info.model_info["max_model_len"])
+        self.model_info = info.model
+        self.max_model_len: int = info.model.max_model_len
         # Token ids must exist for the tokenizer (to print them) and the model (to embed them).
-        sizes = [v for v in (getattr(self.tokenizer, "vocab_size", None), info.model_info.get("vocab_size"))
-                 if v is not None]
+        sizes = [v for v in (getattr(self.tokenizer, "vocab_size", None), info.model.vocab_size) if v is not None]
         self.vocab_size: int | None = min(sizes) if sizes else None
-        self.model_name: str = str(info.model_info["id"])  # the served name when one was given
+        self.model_name: str = info.model.id  # the served name when one was given
         self.created = int(time.time())
         self._token_strs: dict[int, str] = {}
         # What a router needs to know before it trusts a prefix cached here: the weights, how text
         # becomes tokens, and how the engine groups tokens into cache blocks.
-        self.identity = {"revision": info.model_info.get("revision"),
+        self.identity = {"revision": info.model.revision,
                          "block_size": int(info.config.get("block_size") or 16),
                          "tokenizer_hash": tokenizer_hash(self.tokenizer),
                          "chat_template_hash": _digest(getattr(self.tokenizer, "chat_template", None) or "")}
 
     def load_report(self) -> str:
-        """The X-Meshserve-Load value: this server's figures now."""
-        return format_load(load_from_stats(self.client.stats(), self.client.num_queued_seqs))
+        """The X-Meshserve-Load value: this server's figures now (requests not yet handed to an
+        engine count as waiting)."""
+        s = self.client.stats().engines
+        return format_load(ReportedLoad(
+            running=s.num_running, waiting=max(s.num_waiting, self.client.num_queued_seqs),
+            pending_prefill=s.pending_prefill_tokens, free_blocks=s.num_free_blocks, blocks=s.num_blocks,
+            reserved_blocks=s.reserved_blocks, kv=s.kv_cache_usage))
 
     # ---- checks -------------------------------------------------------------------------------
     def check_model(self, name: str | None) -> None:

@@ -19,8 +19,9 @@ from meshserve.distributed.expert_load import (
     format_expert_load_table,
     format_expert_matrix_csv,
 )
-from meshserve.distributed.timing import RankTiming, TimingStats, mean_timing
-from meshserve.engine.step import StepInput, StepResult
+from meshserve.distributed.timing import TimingStats, mean_timing
+from meshserve.worker.rank_messages import RankMethod
+from meshserve.worker.step import RankStepOutput, StepInput, StepResult
 from meshserve.layers.sampler import SamplerOutput
 from meshserve.models.loader import ModelSource
 from meshserve.worker.worker import Worker
@@ -81,11 +82,11 @@ class Executor:
     def expert_load_snapshot(self) -> dict:
         return self.expert_load.snapshot() if self.expert_load is not None else {}
 
-    def _result(self, sampled: SamplerOutput | None, timings: list[RankTiming],
-                expert_counts: list[dict[int, list[int]]]) -> StepResult:
+    def _result(self, sampled: SamplerOutput | None, outputs: list[RankStepOutput]) -> StepResult:
+        timings = [o.timing for o in outputs]
         self.timing.record(timings)
         if self.expert_load is not None:
-            self.expert_load.record(expert_counts)
+            self.expert_load.record([o.expert_counts for o in outputs])
         compute, comm = mean_timing(timings)
         return StepResult(sampled, compute, comm, timings)
 
@@ -107,8 +108,8 @@ class UniProcExecutor(Executor):
         return self.runner.block_bytes
 
     def execute(self, step: StepInput) -> StepResult:
-        sampled, timing, expert_counts = self.worker.execute(step)
-        return self._result(sampled, [timing], [expert_counts])
+        out = self.worker.execute(step)
+        return self._result(out.sampled, [out])
 
     def check_health(self) -> None:
         pass
@@ -129,7 +130,7 @@ class DistributedExecutor(Executor):
         self._failure: WorkerFailure | None = None
         self._closed = False
 
-    def _call_all(self, method: str, *args) -> list:
+    def _call_all(self, method: RankMethod, *args) -> list:
         """Worker.method(*args) on every rank; the replies in rank order."""
         raise NotImplementedError
 
@@ -141,18 +142,17 @@ class DistributedExecutor(Executor):
         return step
 
     def num_kv_blocks(self) -> int:
-        return min(self._call_all("num_kv_blocks"))
+        return min(self._call_all(RankMethod.NUM_KV_BLOCKS))
 
     def init_kv_cache(self, num_blocks: int) -> None:
-        self._call_all("init_kv_cache", num_blocks)
+        self._call_all(RankMethod.INIT_KV_CACHE, num_blocks)
 
     def block_bytes(self) -> int:
         return max(i["block_bytes"] for i in self.infos)
 
     def execute(self, step: StepInput) -> StepResult:
-        replies = self._call_all("execute", self._step_arg(step))
-        return self._result(replies[self.sampling_rank][0], [timing for _, timing, _ in replies],
-                            [counts for _, _, counts in replies])
+        outputs: list[RankStepOutput] = self._call_all(RankMethod.EXECUTE, self._step_arg(step))
+        return self._result(outputs[self.sampling_rank].sampled, outputs)
 
     def check_health(self) -> None:
         if self._failure is not None:

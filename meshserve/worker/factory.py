@@ -33,9 +33,6 @@ def _start_executor(config: EngineConfig, source: ModelSource, max_model_len: in
     backend = config.distributed_executor_backend
     if config.world_size == 1:
         return UniProcExecutor(config, source, max_model_len)
-    if backend == "uni":
-        raise ValueError(f"the in-process executor runs one rank, but tensor_parallel_size x "
-                         f"pipeline_parallel_size = {config.world_size}; use 'mp' or 'ray'")
     if backend == "ray":
         from meshserve.worker.ray_executor import RayExecutor
         return RayExecutor(config, source, max_model_len)

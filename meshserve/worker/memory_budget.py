@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from meshserve.engine.step import SeqStep, StepInput
+from meshserve.worker.step import SeqStep, StepInput
 from meshserve.sampling_params import MAX_LOGPROBS, SamplingParams
 
 GIB = 1 << 30

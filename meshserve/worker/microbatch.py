@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from meshserve.engine.step import SeqStep, StepInput
+from meshserve.worker.step import SeqStep, StepInput
 
 
 def num_tokens(step: StepInput) -> int:

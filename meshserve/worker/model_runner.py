@@ -13,7 +13,7 @@ import torch
 
 from meshserve.config import CPU_DEFAULT_KV_BYTES, EngineConfig
 from meshserve.distributed.parallel_state import get_parallel_state
-from meshserve.engine.step import StepInput
+from meshserve.worker.step import StepInput
 from meshserve.layers import cpu_kernels
 from meshserve.layers.cpu_gemm import prepack_model, warm_up_packed
 from meshserve.layers.host_to_device import to_device
@@ -89,7 +89,7 @@ class ModelRunner:
         if self.device.type == "cpu":
             self._warm_up_matmuls()
         if getattr(self.model, "cpu_stack", None) is not None and self.ps.rank == 0:
-            logger.info("decoder layers run as one C++ loop (layers/cpu_decoder_stack.py)")
+            logger.info("decoder layers run as one C++ loop (models/cpu_decoder_stack.py)")
         self.sampler = Sampler(config.seed, self.device) if self.ps.is_last_stage and self.ps.tp_rank == 0 else None
         attn = next(iter(self.model.layers.values())).self_attn
         self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim

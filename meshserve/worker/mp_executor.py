@@ -35,6 +35,7 @@ from meshserve.config import EngineConfig
 from meshserve.distributed.placement import replica_placement
 from meshserve.models.loader import ModelSource
 from meshserve.worker.executor import DistributedExecutor, WorkerFailure
+from meshserve.worker.rank_messages import RankAnswer, RankCall, RankCrashed, RankMethod, RankReply, RankStepFailed
 
 logger = logging.getLogger("meshserve")
 
@@ -99,27 +100,25 @@ def _worker_main(rank: int, conn: Connection, engine_alive: Connection, config: 
     try:
         store = torch.distributed.FileStore(store_path, config.world_size)
         worker = Worker(config, source, max_model_len, rank, store, device, cores)
-        conn.send(("ok", worker.info))
+        conn.send(RankReply(worker.info))
         while True:
             try:
-                method, args = pickle.loads(conn.recv_bytes())
+                call: RankCall = pickle.loads(conn.recv_bytes())
             except EOFError:
                 return
-            if method == "close":
-                worker.close()
-                conn.send(("ok", None))
-                return
-            if method == "execute":
+            if call.method is RankMethod.EXECUTE:
                 try:
-                    reply = ("ok", worker.execute(*args))
+                    reply: RankAnswer = RankReply(call.apply(worker))
                 except Exception:  # the engine decides whether the step is contained (see _gather)
-                    reply = ("step_error", traceback.format_exc(limit=8))
+                    reply = RankStepFailed(traceback.format_exc(limit=8))
                 conn.send(reply)
                 continue
-            conn.send(("ok", getattr(worker, method)(*args)))
+            conn.send(RankReply(call.apply(worker)))
+            if call.method is RankMethod.CLOSE:
+                return
     except BaseException:
         try:
-            conn.send(("error", traceback.format_exc()))
+            conn.send(RankCrashed(traceback.format_exc()))
         except OSError:
             pass
         os._exit(1)  # the process groups are broken now; gloo threads must not keep us alive
@@ -186,10 +185,10 @@ class MultiprocExecutor(DistributedExecutor):
                               f"{shares[r] or 'all'}" for r, i in enumerate(self.infos)))
 
     # ---- calls -------------------------------------------------------------------------
-    def _broadcast(self, method: str, *args) -> None:
+    def _broadcast(self, method: RankMethod, *args) -> None:
         if self._failure is not None:
             raise self._failure
-        payload = pickle.dumps((method, args), protocol=pickle.HIGHEST_PROTOCOL)
+        payload = pickle.dumps(RankCall(method, args), protocol=pickle.HIGHEST_PROTOCOL)
         for rank, conn in enumerate(self.conns):
             try:
                 conn.send_bytes(payload)
@@ -220,21 +219,23 @@ class MultiprocExecutor(DistributedExecutor):
                     continue  # it answered before exiting, or was read above in this round
                 rank = pending.pop(obj)
                 try:
-                    status, value = obj.recv()
+                    answer: RankAnswer = obj.recv()
                 except (EOFError, OSError):
                     self._fail(rank)
                 self._awaiting.discard(rank)
-                if status == "error":
-                    self._fail(rank, value)
-                if status == "step_error" and step_error is None:
-                    step_error = (rank, value)
-                    deadline = time.monotonic() + STEP_ERROR_GRACE_S
-                replies[rank] = value
+                match answer:
+                    case RankReply():
+                        replies[rank] = answer.value
+                    case RankCrashed():
+                        self._fail(rank, answer.traceback)
+                    case RankStepFailed() if step_error is None:
+                        step_error = (rank, answer.traceback)
+                        deadline = time.monotonic() + STEP_ERROR_GRACE_S
         if step_error is not None:
             raise RankStepError(f"worker rank {step_error[0]} failed the step:\n{step_error[1].rstrip()}")
         return replies
 
-    def _call_all(self, method: str, *args) -> list:
+    def _call_all(self, method: RankMethod, *args) -> list:
         if self._failure is not None:
             raise self._failure
         if self._awaiting:  # replies to a call that was interrupted (KeyboardInterrupt): drop them
@@ -277,9 +278,9 @@ class MultiprocExecutor(DistributedExecutor):
         conn = self.conns[rank]
         try:
             while conn.poll():
-                status, value = conn.recv()
-                if status == "error":
-                    return value
+                answer = conn.recv()
+                if isinstance(answer, RankCrashed):
+                    return answer.traceback
         except (EOFError, OSError):
             pass
         return None
@@ -297,7 +298,7 @@ class MultiprocExecutor(DistributedExecutor):
             return
         self._closed = True
         try:
-            self._broadcast("close")
+            self._broadcast(RankMethod.CLOSE)
             self._awaiting = set(range(len(self.procs)))
             self._gather(timeout=_SHUTDOWN_GRACE_S)
         except (WorkerFailure, TimeoutError) as exc:

@@ -16,9 +16,10 @@ from collections import defaultdict
 from datetime import timedelta
 
 from meshserve.config import EngineConfig
-from meshserve.engine.step import StepInput
+from meshserve.worker.step import StepInput
 from meshserve.models.loader import ModelSource
 from meshserve.worker.executor import DistributedExecutor, WorkerFailure
+from meshserve.worker.rank_messages import RankCall, RankMethod
 
 logger = logging.getLogger("meshserve")
 
@@ -68,8 +69,8 @@ class RayWorkerActor:
         self.worker = Worker(config, source, max_model_len, rank, store, device, list(share))
         return self.worker.info
 
-    def call(self, method: str, *args):
-        return getattr(self.worker, method)(*args)
+    def call(self, call: RankCall):
+        return call.apply(self.worker)
 
 
 def _gloo_on_interface_of(ip: str) -> None:
@@ -164,10 +165,11 @@ class RayExecutor(DistributedExecutor):
             self._ray.kill(a)
         self._remove_pg(self.pg)
 
-    def _call_all(self, method: str, *args) -> list:
+    def _call_all(self, method: RankMethod, *args) -> list:
         if self._failure is not None:
             raise self._failure
-        return self._get([a.call.remote(method, *args) for a in self.actors])
+        call = RankCall(method, args)
+        return self._get([a.call.remote(call) for a in self.actors])
 
     def _step_arg(self, step: StepInput):
         return self._ray.put(step)  # stored once, read by every actor
@@ -181,7 +183,7 @@ class RayExecutor(DistributedExecutor):
         if self._closed:
             return
         try:
-            self._get([a.call.remote("close") for a in self.actors], timeout=10.0)
+            self._get([a.call.remote(RankCall(RankMethod.CLOSE)) for a in self.actors], timeout=10.0)
         except (WorkerFailure, TimeoutError) as exc:
             logger.warning("Ray workers did not stop cleanly: %s", exc)
         if not self._closed:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from meshserve.engine.step import StepInput
+from meshserve.worker.step import StepInput
 from meshserve.layers.attention import AttentionMetadata, PrefillLaunch, PrefillSeq
 from meshserve.layers.host_to_device import arrays_to_device, to_device
 from meshserve.layers.paged_launch import decode_splits, prefill_tile, query_tiles

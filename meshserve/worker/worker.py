@@ -18,7 +18,7 @@ from meshserve.distributed.parallel_state import (
 )
 from meshserve.distributed.placement import pin_to_cores
 from meshserve.distributed.timing import RankTiming
-from meshserve.engine.step import StepInput
+from meshserve.worker.step import RankStepOutput, StepInput
 from meshserve.layers.host_to_device import to_device
 from meshserve.models.loader import ModelSource
 from meshserve.worker.microbatch import (
@@ -80,9 +80,9 @@ class Worker:
             self._profiler.start()
 
     @torch.inference_mode()
-    def execute(self, step: StepInput):
-        """Run one step through this rank's stage. Returns (sampled tokens or None, timing, tokens
-        routed to each expert of this stage's MoE layers: {layer: counts}, from one rank per stage)."""
+    def execute(self, step: StepInput) -> RankStepOutput:
+        """Run one step through this rank's stage: the sampled tokens (sampling rank), the timing,
+        and the tokens routed to each expert of this stage's MoE layers (from one rank per stage)."""
         t0 = time.perf_counter()
         ps, runner = self.ps, self.runner
         with torch.profiler.record_function("meshserve_step"):
@@ -110,7 +110,7 @@ class Worker:
                 torch.cuda.synchronize(ps.device)
         comm = ps.comm_timer.take()
         timing = RankTiming(self.rank, time.perf_counter() - t0 - sum(comm.values()), comm, sample_s)
-        return sampled, timing, runner.take_expert_counts()
+        return RankStepOutput(sampled, timing, runner.take_expert_counts())
 
     def close(self) -> None:
         if self._profiler is not None:

@@ -1,4 +1,4 @@
-"""The C++ decoder-layer loop (layers/cpu_decoder_stack.py) computes bit for bit what the module
+"""The C++ decoder-layer loop (models/cpu_decoder_stack.py) computes bit for bit what the module
 path computes, for every kind of step the scheduler makes: fresh prompts (equal lengths batched
 into one attention call, and not), a chunk after cached tokens, decodes, and all of them in one
 step; and the layers it cannot run keep the module path."""
@@ -6,9 +6,10 @@ import pytest
 import torch
 from tiny_model import tiny_runner
 
-from meshserve.engine.step import SeqStep, StepInput
+from meshserve.worker.step import SeqStep, StepInput
 from meshserve.layers import cpu_kernels
-from meshserve.layers.cpu_decoder_stack import CPUDecoderStack
+from meshserve.models.cpu_decoder_stack import CPUDecoderStack
+from meshserve.models.llama import LlamaAttention, LlamaMLP
 from meshserve.worker.step_packing import pack_step, torch_inputs
 
 BLOCK = 8
@@ -62,8 +63,9 @@ def test_layers_it_cannot_run_keep_the_module_path(tmp_path):
     moe = {"architectures": ["MixtralForCausalLM"], "num_local_experts": 4, "num_experts_per_tok": 2}
     assert tiny_runner(tmp_path, block_size=BLOCK, config=moe).model.cpu_stack is None
     layers = list(tiny_runner(tmp_path, block_size=BLOCK).model.layers.values())
-    assert CPUDecoderStack.build(layers, tp_size=2) is None  # the all-reduces stay in the module path
-    assert CPUDecoderStack.build(layers, tp_size=1) is not None
+    assert CPUDecoderStack.build(layers, 2, LlamaAttention, LlamaMLP) is None  # the all-reduces stay in the module path
+    assert CPUDecoderStack.build(layers, 1, LlamaAttention, LlamaMLP) is not None
+    assert CPUDecoderStack.build(layers, 1, LlamaAttention, torch.nn.Module) is None  # an MLP it does not know
 
 
 def test_disabled_with_the_cpu_kernels(tmp_path, monkeypatch):

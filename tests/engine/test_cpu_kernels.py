@@ -321,7 +321,7 @@ def _packed_row_counts():
 def test_warm_up_builds_the_row_counts_that_steps_bring(tmp_path, dtype):
     from tiny_model import tiny_runner
 
-    from meshserve.engine.step import SeqStep, StepInput
+    from meshserve.worker.step import SeqStep, StepInput
     from meshserve.sampling_params import SamplingParams
 
     with _packed_row_counts() as warmed:  # the runner builds them as it starts

@@ -9,7 +9,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are defined
 import torch  # noqa: E402
 from tiny_model import tiny_runner  # noqa: E402
 
-from meshserve.engine.step import SeqStep, StepInput  # noqa: E402
+from meshserve.worker.step import SeqStep, StepInput  # noqa: E402
 from meshserve.layers.cpu_gemm import PrepackedMatmul  # noqa: E402
 from meshserve.worker.cuda_graphs import (  # noqa: E402
     DecodeGraphInputs,

@@ -59,7 +59,7 @@ def test_dummy_weights_from_a_config_json(tmp_path):
     llm = LLM(str(tmp_path / "config.json"), load_format="dummy", kv_cache_memory_bytes=4 << 20)
     out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0]
     assert len(out.outputs[0].token_ids) == 4 and all(0 <= t < 1000 for t in out.outputs[0].token_ids)
-    assert llm.engine.model_info["revision"] == "dummy"
+    assert llm.engine.model_info.revision == "dummy"
 
 
 def test_gguf_conversion_is_cached(monkeypatch):
@@ -118,7 +118,7 @@ def test_concurrent_revision_hashing_shares_the_cache_dir_safely(tmp_path, monke
 
 
 def test_one_cache_directory_rule(tmp_path, monkeypatch):
-    from meshserve.plan.calibrate import default_calibration_path
+    from meshserve.plan.calibration import default_calibration_path
     from meshserve.utils.paths import cache_dir
     monkeypatch.delenv("MESHSERVE_CALIBRATION_FILE", raising=False)
     monkeypatch.setenv("MESHSERVE_CACHE_DIR", str(tmp_path / "a"))

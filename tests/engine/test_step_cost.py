@@ -9,7 +9,7 @@ import time
 
 from meshserve.config import EngineConfig
 from meshserve.engine.llm_engine import LLMEngine
-from meshserve.engine.step import StepResult
+from meshserve.worker.step import StepResult
 from meshserve.layers.sampler import SamplerOutput
 from meshserve.sampling_params import SamplingParams
 

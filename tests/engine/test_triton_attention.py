@@ -9,7 +9,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are defined
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from meshserve.engine.step import SeqStep, StepInput  # noqa: E402
+from meshserve.worker.step import SeqStep, StepInput  # noqa: E402
 from meshserve.layers import paged_launch  # noqa: E402
 from meshserve.layers.attention import PagedAttention  # noqa: E402
 from meshserve.worker.step_packing import pack_step, torch_inputs, triton_inputs  # noqa: E402

@@ -19,7 +19,7 @@ from pathlib import Path
 import aiohttp
 from multidict import CIMultiDict
 
-from meshserve.bench.launch import LaunchedServer, free_port
+from meshserve.utils.server_process import LaunchedServer, free_port
 
 REPO = Path(__file__).resolve().parents[2]
 MAX_MODEL_LEN = 256

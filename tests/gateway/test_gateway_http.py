@@ -14,7 +14,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from meshserve.bench.launch import free_port
+from meshserve.utils.server_process import free_port
 from tests.gateway.fleet import (
     complete,
     prompt,

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from meshserve.api.errors import APIError
 from meshserve.api.load import ReportedLoad
-from meshserve.engine.routing import RouteRequest
+from meshserve.routing.policies import RouteRequest
 from meshserve.gateway.admission import Admission, AdmissionRequest, Deadline, Placement
 from meshserve.gateway.config import GatewayConfig
 from meshserve.gateway.failover import RetryBudget

@@ -17,7 +17,7 @@ import httpx
 import psutil
 import pytest
 
-from meshserve.bench.launch import LaunchedServer, free_port
+from meshserve.utils.server_process import LaunchedServer, free_port
 
 REQUESTS = 16  # per phase
 CONCURRENCY = 4

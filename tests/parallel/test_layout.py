@@ -6,7 +6,7 @@ import psutil
 import pytest
 
 from meshserve import LLM
-from meshserve.engine.step import SeqStep, StepInput
+from meshserve.worker.step import SeqStep, StepInput
 from meshserve.models.model_config import ModelConfig
 from meshserve.models.sharding import ShardedDims, check_parallel_layout, valid_tp_sizes
 from meshserve.sampling_params import SamplingParams

@@ -7,7 +7,7 @@ import httpx
 from parallel_helpers import ENGINE_ARGS, GREEDY
 
 from meshserve import LLM
-from meshserve.bench.launch import LaunchedServer, free_port
+from meshserve.utils.server_process import LaunchedServer, free_port
 
 PROMPT = "Hello there, my friend"
 

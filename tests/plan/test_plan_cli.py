@@ -124,7 +124,7 @@ def test_calibrate_caches_and_this_machine_reuses_it(capsys, tmp_path):
 
 
 def test_calibrations_average_by_time_per_unit_of_work():
-    from meshserve.plan.calibrate import Calibration, average_calibrations
+    from meshserve.plan.calibration import Calibration, average_calibrations
 
     def cal(scale, profile=((1, 1e-10), (256, 1e-9))):
         return Calibration(device="cpu", matmul_dtype="float32", matmul_flops=100e9 / scale,

@@ -16,8 +16,9 @@ import sys
 import tempfile
 import time
 
-from meshserve.engine.messages import RequestDelta
-from meshserve.engine.output import RequestState
+from meshserve.engine.messages import EngineStats, LeaseInfo, LeaseLedger, ModelInfo, RequestDelta, ReserveRequest
+from meshserve.engine.output import EngineRequest
+from meshserve.engine.protocol import UnsupportedCall
 
 BLOCK = 16
 NUM_BLOCKS = 64
@@ -40,6 +41,8 @@ class FakeTokenizer:
 
 
 class FakeEngine:
+    """Implements engine/protocol.py's EngineProtocol (without reservations)."""
+
     def __init__(self, step_delay: float = 0.002, max_num_seqs: int = 8, max_model_len: int = 128,
                  restart_delay: float = 0.0, started_marker: str | None = None):
         if started_marker is not None:  # a restart (the marker exists) takes restart_delay to load
@@ -47,23 +50,27 @@ class FakeEngine:
                 time.sleep(restart_delay)
             open(started_marker, "a").close()
         self.tokenizer = FakeTokenizer()
-        self.model_info = {"id": "fake-echo", "max_model_len": max_model_len, "revision": "0123456789abcdef",
-                           "vocab_size": 256}
+        self.model_info = ModelInfo("fake-echo", max_model_len, "0123456789abcdef", 256)
         self.step_delay = step_delay
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
-        self.waiting: list[RequestState] = []
-        self.running: list[RequestState] = []
+        self.waiting: list[EngineRequest] = []
+        self.running: list[EngineRequest] = []
         self.prompt_tokens = 0
         self.generation_tokens = 0
 
-    def add_request(self, request_id, prompt, params, arrival_time=None) -> list[int]:
+    def config_dict(self) -> dict:
+        return {"model": "fake-echo", "block_size": BLOCK}
+
+    def add_request(self, request_id, prompt, params, arrival_time=None, lease_id=None) -> list[int]:
+        if lease_id is not None:
+            raise ValueError("this engine grants no reservations")
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise ValueError("prompt must not be empty")
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt is {len(ids)} tokens, max_model_len is {self.max_model_len}")
-        self.waiting.append(RequestState(request_id, ids, params, self.tokenizer,
+        self.waiting.append(EngineRequest(request_id, ids, params, self.tokenizer,
                                          arrival_time or time.monotonic(), seqs=[]))
         return ids
 
@@ -93,7 +100,7 @@ class FakeEngine:
         self.running = [r for r in self.running if not r.finished]
         return deltas
 
-    def _advance(self, req: RequestState, sample) -> None:
+    def _advance(self, req: EngineRequest, sample) -> None:
         p = req.params
         token = req.prompt_ids[(sample.index + len(sample.token_ids)) % len(req.prompt_ids)]
         self.generation_tokens += 1
@@ -105,13 +112,33 @@ class FakeEngine:
         if final:
             sample.finish("length")
 
-    def get_stats(self) -> dict:
+    def get_stats(self) -> EngineStats:
         blocks = sum(-(-(len(r.prompt_ids) + max(len(s.token_ids) for s in r.samples)) // BLOCK) * len(r.samples)
                      for r in self.running)
-        return {"num_running": len(self.running), "num_waiting": len(self.waiting),
-                "kv_cache_usage": min(1.0, blocks / NUM_BLOCKS), "prefix_cache_queries": 0,
-                "prefix_cache_hits": 0, "num_prompt_tokens": self.prompt_tokens,
-                "num_generation_tokens": self.generation_tokens}
+        return EngineStats(num_running=len(self.running), num_waiting=len(self.waiting),
+                           kv_cache_usage=min(1.0, blocks / NUM_BLOCKS), num_prompt_tokens=self.prompt_tokens,
+                           num_generation_tokens=self.generation_tokens, block_size=BLOCK)
+
+    def reserve(self, req: ReserveRequest) -> LeaseInfo | None:
+        raise UnsupportedCall
+
+    def release_lease(self, lease_id: str) -> bool:
+        raise UnsupportedCall
+
+    def leases(self) -> LeaseLedger:
+        raise UnsupportedCall
+
+    def check_health(self) -> None:
+        pass
+
+    def health_watch(self) -> tuple[list, float | None]:
+        return [], None
+
+    def record_ipc(self, seconds: float) -> None:
+        pass
+
+    def shutdown(self) -> None:
+        pass
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,7 +7,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from meshserve.bench.launch import LaunchedServer, free_port
+from meshserve.utils.server_process import LaunchedServer, free_port
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]

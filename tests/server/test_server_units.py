@@ -12,11 +12,11 @@ from server_fake_engine import FakeEngine
 
 from meshserve.api.errors import from_value_error
 from meshserve.api.sse import DONE, sse_event
-from meshserve.engine.messages import AddRequest
-from meshserve.engine.output import RequestState
+from meshserve.engine.messages import AddRequest, Shutdown, StepOutput
+from meshserve.engine.output import EngineRequest
 from meshserve.sampling_params import SamplingParams
-from meshserve.server.engine_client import EngineDeadError
-from meshserve.server.engine_core import EngineLoop
+from meshserve.engine.client import EngineDeadError
+from meshserve.engine.core_proc import EngineLoop
 from meshserve.server.server_config import ServerConfig
 from meshserve.server.serving import sse_stream
 
@@ -26,8 +26,8 @@ class _Tok:
         return "".join(chr(i) for i in ids)
 
 
-def _request(**params) -> RequestState:
-    return RequestState("r", [ord("p")], SamplingParams(**params), _Tok(), 0.0, seqs=[])
+def _request(**params) -> EngineRequest:
+    return EngineRequest("r", [ord("p")], SamplingParams(**params), _Tok(), 0.0, seqs=[])
 
 
 def test_deltas_carry_only_what_is_new_per_sample_and_each_finish_once():
@@ -83,13 +83,13 @@ def test_engine_loop_blocks_when_idle_and_steps_while_busy():
     engine = _CountingEngine()
     loop = threading.Thread(target=EngineLoop(engine, in_r, out_w).run, daemon=True)
     loop.start()
-    in_w.send([("add", AddRequest("a", [104, 105], SamplingParams(max_tokens=5), time.monotonic()))])
+    in_w.send([AddRequest("a", [104, 105], SamplingParams(max_tokens=5), time.monotonic())])
     texts = ""
     while True:
-        msg = out_r.recv()
-        if msg[0] == "step":
-            texts += "".join(s.text for d in msg[2] for s in d.outputs)
-            if any(d.finished for d in msg[2]):
+        event = out_r.recv()
+        if isinstance(event, StepOutput):
+            texts += "".join(s.text for d in event.deltas for s in d.outputs)
+            if any(d.finished for d in event.deltas):
                 break
     assert texts == "hihih"
     time.sleep(0.1)
@@ -97,7 +97,7 @@ def test_engine_loop_blocks_when_idle_and_steps_while_busy():
     time.sleep(0.3)
     assert engine.calls == calls, "the idle engine loop is spinning"
     assert not out_r.poll(0)  # and it has nothing to say: its last stats went out with the last step
-    in_w.send([("shutdown",)])
+    in_w.send([Shutdown()])
     loop.join(5)
     assert not loop.is_alive()
 

@@ -1,4 +1,5 @@
-"""What one engine step hands to every rank (StepInput) and what comes back (StepResult).
+"""What one engine step hands to every rank (StepInput), what each rank answers (RankStepOutput),
+and what the executor makes of the answers (StepResult).
 
 The scheduler decides, the engine packs each scheduled sequence into a SeqStep, the executor sends the
 StepInput to every rank, and the sampling rank's tokens come back in StepResult.
@@ -31,6 +32,14 @@ class SeqStep:
 class StepInput:
     seqs: list[SeqStep]
     finished_seq_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class RankStepOutput:
+    """One rank's answer to a step."""
+    sampled: SamplerOutput | None  # the sampling rank's tokens (None on the others)
+    timing: RankTiming
+    expert_counts: dict[int, list[int]] = field(default_factory=dict)  # tokens per expert of its MoE layers
 
 
 @dataclass

@@ -3,9 +3,9 @@ import random
 
 import pytest
 
-from meshserve.engine.block_hash import root_hash
-from meshserve.engine.prefix_index import PrefixIndex
-from meshserve.engine.routing import (
+from meshserve.routing.block_hash import root_hash
+from meshserve.routing.prefix_index import PrefixIndex
+from meshserve.routing.policies import (
     CacheAware,
     CacheAwareConfig,
     LeastLoad,

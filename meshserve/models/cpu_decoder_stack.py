@@ -3,7 +3,7 @@
 The module path spends a few microseconds of Python per module call and per operator; over 30
 layers that is 10-15 ms of every step, about a fifth of a decode step of the embedded model on two
 cores. The C++ loop runs the same operators in the same order, so its output is bit-identical
-(tests/model/test_cpu_decoder_stack.py compares the two). It takes Llama-family layers with the
+(tests/engine/test_cpu_decoder_stack.py compares the two). It takes Llama-family layers with the
 dense SwiGLU MLP (bias on QKV allowed: Qwen2) on one tensor-parallel rank, float32 or bfloat16 on
 CPU with the CPU kernels built; anything else (MoE, Qwen3's query/key norm, TP all-reduces, CUDA) keeps the
 module path. MESHSERVE_DISABLE_CPU_KERNELS=1 turns it off with the other kernels.
@@ -35,15 +35,15 @@ class CPUDecoderStack:
                              *_linear(m.gate_up_proj), *_linear(m.down_proj)]
 
     @classmethod
-    def build(cls, layers: list[nn.Module], tp_size: int) -> CPUDecoderStack | None:
-        """The stack for these layers, or None when any of them needs the module path."""
-        from meshserve.models.llama import LlamaAttention, LlamaMLP
-
+    def build(cls, layers: list[nn.Module], tp_size: int, attention: type[nn.Module],
+              mlp: type[nn.Module]) -> CPUDecoderStack | None:
+        """The stack for these layers, or None when any of them needs the module path. `attention`
+        and `mlp`: the model's own classes, the only ones whose operators the C++ loop repeats."""
         if not layers or tp_size != 1:
             return None
         for layer in layers:
             a, m = layer.self_attn, layer.mlp
-            if type(a) is not LlamaAttention or type(m) is not LlamaMLP or a.o_proj.bias is not None:
+            if type(a) is not attention or type(m) is not mlp or a.o_proj.bias is not None:
                 return None
             if a.rotary is not layers[0].self_attn.rotary or layer.input_layernorm.eps != layers[0].input_layernorm.eps:
                 return None

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Sequence
 
-from meshserve.engine.block_hash import prompt_block_hashes
-from meshserve.engine.prefix_index import PrefixIndex
+from meshserve.routing.block_hash import prompt_block_hashes
+from meshserve.routing.prefix_index import PrefixIndex
 
 logger = logging.getLogger(__name__)
 

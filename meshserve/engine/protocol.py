@@ -1,0 +1,66 @@
+"""The engine interface: what the engine process loop (core_proc.py) and `LLM` call on an engine.
+
+`LLMEngine` implements it, and so does every stand-in (the front end's test fake), so the loop
+calls methods, never probes for them. Checked statically (mypy) and at run time
+(`isinstance(engine, EngineProtocol)` holds for both).
+"""
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+from meshserve.engine.messages import EngineStats, LeaseInfo, LeaseLedger, ModelInfo, RequestDelta, ReserveRequest
+from meshserve.sampling_params import SamplingParams
+
+
+class UnsupportedCall(Exception):
+    """An engine without reservations raises it from reserve/release_lease/leases."""
+
+
+@runtime_checkable
+class EngineProtocol(Protocol):
+    tokenizer: Any
+
+    @property
+    def model_info(self) -> ModelInfo: ...
+
+    def config_dict(self) -> dict:
+        """The resolved configuration, JSON values only (for /server_info)."""
+        ...
+
+    # ---- requests ---------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                    arrival_time: float | None = None, lease_id: str | None = None) -> list[int]:
+        """Queue a request; its prompt token ids. ValueError (naming the problem) when it cannot be
+        served (block_manager.ReservationError when the lease it names cannot cover it)."""
+        ...
+
+    def abort_request(self, request_id: str) -> None: ...
+
+    def has_unfinished_requests(self) -> bool: ...
+
+    def step(self) -> list[RequestDelta]: ...
+
+    def get_stats(self) -> EngineStats: ...
+
+    # ---- reservations (UnsupportedCall where there are none) -----------------------------------
+    def reserve(self, req: ReserveRequest) -> LeaseInfo | None: ...
+
+    def release_lease(self, lease_id: str) -> bool: ...
+
+    def leases(self) -> LeaseLedger: ...
+
+    # ---- the process around it ----------------------------------------------------------------
+    def check_health(self) -> None:
+        """Raise if a rank is gone, even while no request runs."""
+        ...
+
+    def health_watch(self) -> tuple[list, float | None]:
+        """What an idle loop waits on besides its inbox (handles that become ready when a rank
+        dies), and how often to call check_health when there are none."""
+        ...
+
+    def record_ipc(self, seconds: float) -> None:
+        """How long the loop took to send the last step's output (the step timeline's "ipc")."""
+        ...
+
+    def shutdown(self) -> None: ...
