@@ -186,10 +186,12 @@ def main() -> None:
     args = ap.parse_args()
 
     from meshserve.models.loader import resolve_model
+    from meshserve.plan.catalog import spec_from_model_config
+    from meshserve.plan.params import model_params
 
     source = resolve_model("default")  # the converted HF directory doubles as the export for others
     model_dir = str(source.path)
-    params = source.config.num_params
+    params = model_params(spec_from_model_config(source.config, source.model_id)).total
     prompts = make_prompts(args.num_prompts, args.input_len, source.config.vocab_size, args.seed)
     total_tokens = args.num_prompts * (args.input_len + args.output_len)
     out_tokens = args.num_prompts * args.output_len

@@ -15,6 +15,7 @@ from typing import Callable
 
 from meshserve.plan.fidelity import StepTimer
 from meshserve.plan.specs import ModelSpec
+from meshserve.models.geometry import kv_block_bytes
 
 
 def torch_reference_timer(spec: ModelSpec, repeats: int = 7, seed: int = 0,
@@ -108,7 +109,7 @@ class EngineStepTimer:
         prefill_steps = math.ceil(max_batch * max_context / (PREFILL_TOKENS_PER_STEP - max_batch))
         max_len = max_context + prefill_steps + warmup + steps + 2
         block_size = 16
-        kv_bytes_per_block = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * block_size * 4
+        kv_bytes_per_block = kv_block_bytes(spec.num_layers, spec.num_kv_heads, spec.head_dim, block_size, 4)
         self.llm = LLM(model, dtype="float32", max_model_len=max_len, block_size=block_size,
                        max_num_seqs=max_batch, max_num_batched_tokens=PREFILL_TOKENS_PER_STEP,
                        enable_prefix_caching=False,

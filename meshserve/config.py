@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import argparse
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, replace
 
+from meshserve.utils.checks import check_positive_int, check_range
+from meshserve.utils.cli_fields import add_flags, flag, values_for
 from meshserve.utils.cpuinfo import cpu_flags
 
 _DTYPES = ("float32", "bfloat16", "float16")
@@ -12,44 +14,63 @@ CPU_DEFAULT_KV_BYTES = 4 << 30  # like vLLM's CPU backend: 4 GiB unless told oth
 # On a CPU a prefill is compute-bound from ~128 rows: more prompt tokens in a step with running
 # decodes buy no throughput, only a longer stall of every stream and of the first prompt's token.
 CPU_PREFILL_CHUNK_WITH_DECODES = 256
+LOAD_FORMATS = ("auto", "dummy")
 
 
-def _positive_int(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+def parse_bytes(text: str) -> int:
+    units = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30}
+    t = text.strip().lower()
+    num = t.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = t[len(num):]
+    try:
+        value = float(num)
+    except ValueError:
+        value = -1
+    if unit not in units or value <= 0:
+        raise argparse.ArgumentTypeError(f"invalid byte size {text!r}: use e.g. 2GiB, 512MiB or 1000000000")
+    return int(value * units[unit])
 
 
 @dataclass
 class EngineConfig:
+    """Every engine setting; the `flag(...)` fields are also `serve`/`generate` flags (same default)."""
     model: str | None = "default"
     served_model_name: str | None = None
-    tokenizer: str | None = None  # a HF tokenizer directory, when it differs from the model's
-    dtype: str = "auto"
-    device: str = "auto"
-    load_format: str = "auto"
-    seed: int = 0
-    max_model_len: int | None = None
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None
-    block_size: int = 16
-    enable_prefix_caching: bool = True
-    enable_chunked_prefill: bool = True
-    # While sequences decode, prompts join a step at most this many tokens at a time (None or 0: no
-    # cap; `meshserve serve` on a CPU: 256 unless set, see serving_defaults).
-    prefill_chunk_with_decodes: int | None = None
-    kv_cache_memory_bytes: int | None = None
-    gpu_memory_utilization: float = 0.9
-    tensor_parallel_size: int = 1
-    pipeline_parallel_size: int = 1
-    pipeline_split: list[int] | None = None  # layers per stage; even split when None
-    # MoE layers split whole experts over the TP ranks (EP = TP, vLLM's rule within one replica)
-    # instead of slicing every expert; attention stays tensor-parallel.
-    enable_expert_parallel: bool = False
-    distributed_executor_backend: str = "mp"
-    profile: bool = False  # print where the step time went (compute vs communication) at shutdown
-    profile_dir: str | None = None  # torch.profiler traces of the workers go here when set
-    step_trace: str | None = None  # append one JSON line per engine step here (engine/step_timeline.py)
-    enforce_eager: bool = False  # CUDA: no CUDA graphs for decode steps (every step runs eagerly)
+    tokenizer: str | None = flag(None, "HF tokenizer directory, if not the model's own")
+    dtype: str = flag("auto", "auto (bf16 on GPUs that support it, else float16; float32 on CPU), float32, "
+                              "bfloat16, float16")
+    device: str = flag("auto", choices=("auto", "cpu", "cuda"))
+    load_format: str = flag("auto", choices=LOAD_FORMATS)
+    seed: int = flag(0)
+    max_model_len: int | None = flag(None, type=int)
+    max_num_seqs: int = flag(256)
+    max_num_batched_tokens: int | None = flag(None, type=int)
+    block_size: int = flag(16)
+    enable_prefix_caching: bool = flag(True)
+    enable_chunked_prefill: bool = flag(True)
+    # None: `meshserve serve` on a CPU takes CPU_PREFILL_CHUNK_WITH_DECODES (serving_defaults).
+    prefill_chunk_with_decodes: int | None = flag(
+        None, "while sequences decode, new prompts join a step at most N tokens at a time (lower inter-token "
+              "latency for running streams, later first tokens for long prompts; 0: no cap; default: `serve` "
+              f"on a CPU {CPU_PREFILL_CHUNK_WITH_DECODES}, otherwise no cap)", type=int, metavar="N")
+    kv_cache_memory_bytes: int | None = flag(None, "KV cache budget per rank, e.g. 2GiB or 500000000",
+                                             name="--kv-cache-memory", type=parse_bytes, metavar="BYTES")
+    gpu_memory_utilization: float = flag(0.9)
+    tensor_parallel_size: int = flag(1, aliases=("-tp",))
+    pipeline_parallel_size: int = flag(1, aliases=("-pp",))
+    pipeline_split: list[int] | None = flag(None, "layers per pipeline stage (default: even)",
+                                            type=lambda s: [int(x) for x in s.split(",")], metavar="N,N,...")
+    enable_expert_parallel: bool = flag(
+        False, "MoE models: split whole experts over the TP ranks (EP size = TP size, the same devices: "
+               "TP x PP ranks in all, never TP x PP x EP); attention stays TP")
+    distributed_executor_backend: str = flag("mp", choices=("mp", "ray"))
+    profile: bool = flag(False, "at shutdown, print per-rank compute vs communication time (all-reduce, send/recv)")
+    profile_dir: str | None = flag(None, "also write a torch.profiler trace per worker and the summary table here")
+    step_trace: str | None = flag(None, "append one JSON line per engine step to FILE: start time, prompt tokens, "
+                                        "sequences decoding, context tokens and the time of each phase",
+                                  metavar="FILE")
+    enforce_eager: bool = flag(False, "CUDA: run every step eagerly instead of replaying CUDA graphs for "
+                                      "decode steps")
 
     def __post_init__(self) -> None:
         self.dtype = _DTYPE_ALIASES.get(self.dtype, self.dtype)
@@ -59,18 +80,17 @@ class EngineConfig:
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
         if self.device == "cuda" and not _cuda_available():
             raise ValueError("device='cuda' was requested but no CUDA device is available")
-        if self.load_format not in ("auto", "dummy"):
+        if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         for name in ("max_num_seqs", "block_size", "tensor_parallel_size", "pipeline_parallel_size"):
-            _positive_int(name, getattr(self, name))
+            check_positive_int(name, getattr(self, name))
         for name in ("max_model_len", "max_num_batched_tokens", "kv_cache_memory_bytes"):
             if getattr(self, name) is not None:
-                _positive_int(name, getattr(self, name))
-        cap = self.prefill_chunk_with_decodes
-        if cap is not None and (not isinstance(cap, int) or isinstance(cap, bool) or cap < 0):
-            raise ValueError(f"prefill_chunk_with_decodes must be a token count >= 0 (0: no cap), got {cap!r}")
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+                check_positive_int(name, getattr(self, name))
+        if self.prefill_chunk_with_decodes is not None:
+            check_range("prefill_chunk_with_decodes", self.prefill_chunk_with_decodes, 0, integer=True,
+                        hint=" (a token count; 0: no cap)")
+        check_range("gpu_memory_utilization", self.gpu_memory_utilization, 0.0, 1.0, lo_open=True)
         if self.distributed_executor_backend not in ("mp", "ray"):
             raise ValueError("distributed_executor_backend must be 'mp' or 'ray', "
                              f"got {self.distributed_executor_backend!r}")
@@ -126,50 +146,11 @@ class EngineConfig:
             p.add_argument("model", nargs="?", default="default",
                            help="'default' (embedded SmolLM2-135M-Instruct), a .gguf file, a HF model "
                                 "directory, or a config.json with --load-format dummy")
-        g = p.add_argument_group("engine")
-        g.add_argument("--tokenizer", default=None, help="HF tokenizer directory, if not the model's own")
-        g.add_argument("--dtype", default="auto",
-                       help="auto (bf16 on GPUs that support it, else float16; float32 on CPU), float32, bfloat16, "
-                            "float16")
-        g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-        g.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
-        g.add_argument("--seed", type=int, default=0)
-        g.add_argument("--max-model-len", type=int, default=None)
-        g.add_argument("--max-num-seqs", type=int, default=256)
-        g.add_argument("--max-num-batched-tokens", type=int, default=None)
-        g.add_argument("--block-size", type=int, default=16)
-        g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-        g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
-        g.add_argument("--prefill-chunk-with-decodes", type=int, default=None, metavar="N",
-                       help="while sequences decode, new prompts join a step at most N tokens at a time "
-                            "(lower inter-token latency for running streams, later first tokens for long "
-                            f"prompts; 0: no cap; default: `serve` on a CPU {CPU_PREFILL_CHUNK_WITH_DECODES}, "
-                            "otherwise no cap)")
-        g.add_argument("--kv-cache-memory", dest="kv_cache_memory_bytes", type=_parse_bytes, default=None,
-                       metavar="BYTES", help="KV cache budget per rank, e.g. 2GiB or 500000000")
-        g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-        g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
-        g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
-        g.add_argument("--pipeline-split", type=lambda s: [int(x) for x in s.split(",")], default=None,
-                       metavar="N,N,...", help="layers per pipeline stage (default: even)")
-        g.add_argument("--enable-expert-parallel", action="store_true",
-                       help="MoE models: split whole experts over the TP ranks (EP size = TP size, the same "
-                            "devices: TP x PP ranks in all, never TP x PP x EP); attention stays TP")
-        g.add_argument("--distributed-executor-backend", default="mp", choices=["mp", "ray"])
-        g.add_argument("--profile", action="store_true",
-                       help="at shutdown, print per-rank compute vs communication time (all-reduce, send/recv)")
-        g.add_argument("--profile-dir", default=None,
-                       help="also write a torch.profiler trace per worker and the summary table here")
-        g.add_argument("--step-trace", default=None, metavar="FILE",
-                       help="append one JSON line per engine step to FILE: start time, prompt tokens, "
-                            "sequences decoding, context tokens and the time of each phase")
-        g.add_argument("--enforce-eager", action="store_true",
-                       help="CUDA: run every step eagerly instead of replaying CUDA graphs for decode steps")
+        add_flags(p.add_argument_group("engine"), EngineConfig)
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "EngineConfig":
-        names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in vars(args).items() if k in names})
+        return cls(**values_for(cls, args))
 
 
 def auto_dtype(device_type: str, bf16_supported: bool) -> tuple[str, str]:
@@ -198,17 +179,3 @@ def _cuda_bf16_supported(device) -> bool:
 def _cuda_available() -> bool:
     import torch  # imported here so that building the CLI parser stays fast
     return torch.cuda.is_available()
-
-
-def _parse_bytes(text: str) -> int:
-    units = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30}
-    t = text.strip().lower()
-    num = t.rstrip("abcdefghijklmnopqrstuvwxyz")
-    unit = t[len(num):]
-    try:
-        value = float(num)
-    except ValueError:
-        value = -1
-    if unit not in units or value <= 0:
-        raise argparse.ArgumentTypeError(f"invalid byte size {text!r}: use e.g. 2GiB, 512MiB or 1000000000")
-    return int(value * units[unit])

@@ -1,7 +1,9 @@
 """SamplingParams: how one request's tokens are chosen and when it stops. Validated on creation."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+
+from meshserve.utils.checks import check_range
 
 MAX_LOGPROBS = 20
 # Bounds on per-request work: every stop string is searched after every token, and the longest
@@ -9,15 +11,7 @@ MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
-
-
-def _check_range(name: str, value, lo=None, hi=None, lo_open=False, hint: str = "") -> None:
-    bad = (lo is not None and (value <= lo if lo_open else value < lo)) or (hi is not None and value > hi)
-    if bad:
-        left = "(" if lo_open else "["
-        lo_s = "-inf" if lo is None else repr(lo)
-        hi_s = "inf" if hi is None else repr(hi)
-        raise ValueError(f"{name} must be in {left}{lo_s}, {hi_s}]{hint}, got {value!r}")
+GREEDY_BELOW = 1e-5  # temperatures under this are greedy
 
 
 @dataclass
@@ -41,29 +35,22 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("n", "top_k", "min_tokens"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int):
-                raise ValueError(f"{name} must be an integer, got {v!r}")
-        _check_range("n", self.n, 1, 128)
-        _check_range("temperature", float(self.temperature), 0.0, 100.0)
-        _check_range("top_p", float(self.top_p), 0.0, 1.0, lo_open=True)
+        check_range("n", self.n, 1, 128, integer=True)
+        check_range("temperature", self.temperature, 0.0, 100.0)
+        check_range("top_p", self.top_p, 0.0, 1.0, lo_open=True)
+        check_range("top_k", self.top_k, integer=True)
         if self.top_k != -1:
-            _check_range("top_k", self.top_k, 1, None, hint=" or -1 (disabled)")
-        _check_range("min_p", float(self.min_p), 0.0, 1.0)
-        _check_range("presence_penalty", float(self.presence_penalty), -2.0, 2.0)
-        _check_range("frequency_penalty", float(self.frequency_penalty), -2.0, 2.0)
-        _check_range("repetition_penalty", float(self.repetition_penalty), 0.0, 2.0, lo_open=True)
+            check_range("top_k", self.top_k, 1, integer=True, hint=" or -1 (disabled)")
+        check_range("min_p", self.min_p, 0.0, 1.0)
+        check_range("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        check_range("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        check_range("repetition_penalty", self.repetition_penalty, 0.0, 2.0, lo_open=True)
         if self.max_tokens is not None:
-            if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
-                raise ValueError(f"max_tokens must be an integer, got {self.max_tokens!r}")
-            _check_range("max_tokens", self.max_tokens, 1, None)
-        _check_range("min_tokens", self.min_tokens, 0, self.max_tokens,
-                     hint=" (at most max_tokens)" if self.max_tokens is not None else "")
+            check_range("max_tokens", self.max_tokens, 1, integer=True)
+        check_range("min_tokens", self.min_tokens, 0, self.max_tokens, integer=True,
+                    hint=" (at most max_tokens)" if self.max_tokens is not None else "")
         if self.logprobs is not None:
-            if isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int):
-                raise ValueError(f"logprobs must be an integer, got {self.logprobs!r}")
-            _check_range("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+            check_range("logprobs", self.logprobs, 0, MAX_LOGPROBS, integer=True)
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if isinstance(self.stop, str):
@@ -84,8 +71,19 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature < 1e-5
+        return is_greedy(self.temperature)
 
     @property
     def has_penalties(self) -> bool:
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1.0
+
+
+def is_greedy(temperature: float | None) -> bool:
+    """The one greedy rule: a temperature this close to 0 takes the most likely token (None: the
+    default temperature, 1.0, samples)."""
+    return temperature is not None and temperature < GREEDY_BELOW
+
+
+# Fields the HTTP API takes under the same names and passes on as they are; each endpoint resolves
+# n, max_tokens (the room the context leaves) and logprobs (completions and chat name it differently).
+API_PASSTHROUGH_FIELDS = tuple(f.name for f in fields(SamplingParams) if f.name not in ("n", "max_tokens", "logprobs"))

@@ -24,29 +24,31 @@ class StreamOptions(StrictModel):
 
 
 class SamplingFields(StrictModel):
-    """What completions and chat completions share."""
+    """What completions and chat completions share. The sampling fields are SamplingParams' own
+    (sampling_params.API_PASSTHROUGH_FIELDS, a test holds the two together): None means "not sent",
+    and SamplingParams' default applies."""
     model: str | None = None
     n: int = 1
     max_tokens: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
     temperature: float | None = None
     top_p: float | None = None
     seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
     stop: str | list[str] | None = None
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
-    user: str | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
     # vLLM-style extensions
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
-    min_tokens: int = 0
-    ignore_eos: bool = False
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
-    skip_special_tokens: bool = True
-    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool | None = None
+    include_stop_str_in_output: bool | None = None
 
 
 class CompletionRequest(SamplingFields):

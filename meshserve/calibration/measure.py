@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -27,6 +26,8 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from meshserve.distributed.parallel_state import keep_gloo_on_loopback
+from meshserve.models.geometry import kv_block_bytes
 from meshserve.plan.calibration import Calibration, save_calibration
 
 ALLREDUCE_RANKS = 2
@@ -169,7 +170,7 @@ def measure_decode_attention_flops(dtype, seqs: int = 32, context: int = 320, he
         return None
     per_seq = -(-context // block)
     num_blocks = seqs * per_seq
-    layer_bytes = 2 * num_blocks * block * kv_heads * head_dim * torch.finfo(dtype).bits // 8
+    layer_bytes = kv_block_bytes(1, kv_heads, head_dim, block, torch.finfo(dtype).bits // 8) * num_blocks
     layers = [(torch.randn(num_blocks, block, kv_heads, head_dim, generator=g).to(dtype),
                torch.randn(num_blocks, block, kv_heads, head_dim, generator=g).to(dtype))
               for _ in range(-(-streamed_bytes("cpu", 64 << 20) // layer_bytes))]
@@ -252,11 +253,6 @@ def _sync(device: str) -> Callable[[], None]:
     return lambda: None
 
 
-def _loopback_interface() -> str | None:
-    names = [name for _, name in socket.if_nameindex()]
-    return next((n for n in names if n.startswith("lo")), None)
-
-
 def _allreduce_worker(rank: int, store_file: str, sizes: list[int], repeats: int, queue) -> None:
     import torch
     import torch.distributed as dist
@@ -288,9 +284,7 @@ def measure_allreduce(small: int = 4, large: int = 4 * 2**20, repeats: int = 20,
     """(alpha seconds, beta bytes/s) from the ring model fitted to two message sizes."""
     import torch.multiprocessing as mp
 
-    iface = _loopback_interface()
-    if iface and "GLOO_SOCKET_IFNAME" not in os.environ:
-        os.environ["GLOO_SOCKET_IFNAME"] = iface  # keep the rendezvous on loopback
+    keep_gloo_on_loopback()
     # fork starts in milliseconds (torch is already imported); spawn where fork is unsafe.
     ctx = mp.get_context("fork" if sys.platform.startswith("linux") else "spawn")
     queue = ctx.Queue()

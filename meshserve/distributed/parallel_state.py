@@ -11,6 +11,8 @@ step's one sync.
 """
 from __future__ import annotations
 
+import os
+import socket
 import time
 from dataclasses import dataclass, field
 
@@ -200,6 +202,16 @@ def _pairwise_all_to_all(out: torch.Tensor, x: torch.Tensor, recv_rows: list[int
             ops.append(dist.P2POp(dist.irecv, recvs[r], peer, group))
     for work in dist.batch_isend_irecv(ops) if ops else []:
         work.wait()
+
+
+def keep_gloo_on_loopback() -> None:
+    """Ranks on one host talk over the loopback interface (unless GLOO_SOCKET_IFNAME says otherwise):
+    gloo would otherwise pick the interface of the host name, which may be unreachable or public."""
+    if "GLOO_SOCKET_IFNAME" in os.environ:
+        return
+    loopback = next((name for _, name in socket.if_nameindex() if name.startswith("lo")), None)
+    if loopback is not None:
+        os.environ["GLOO_SOCKET_IFNAME"] = loopback
 
 
 def init_distributed(rank: int, tp_size: int, pp_size: int, store, device: torch.device,

@@ -12,9 +12,7 @@ escapes the loop ends the process with `EngineFatal`, and the front end's superv
 from __future__ import annotations
 
 import logging
-import os
 import signal
-import threading
 import time
 import traceback
 from multiprocessing.connection import Connection, wait
@@ -42,6 +40,7 @@ from meshserve.engine.messages import (
     StepOutput,
 )
 from meshserve.engine.protocol import EngineProtocol, UnsupportedCall
+from meshserve.utils.watchdog import exit_when_parent_goes
 
 
 def build_llm_engine(config) -> EngineProtocol:
@@ -132,23 +131,12 @@ class EngineLoop:
             self.outbox.send(StatsUpdate(stats))
 
 
-def _exit_when_front_end_goes(parent_alive: Connection) -> None:
-    """Watchdog thread: the front end never writes to this pipe, so recv() returns (EOF) only when
-    it is gone, even if killed; then this process ends too, whatever it was doing (a wedged step)."""
-    try:
-        parent_alive.recv()
-    except (EOFError, OSError):
-        pass
-    os._exit(0)
-
-
 def run_engine_core(factory: Callable[[], EngineProtocol], inbox: Connection, outbox: Connection,
                     dp_rank: int = 0, placement: ReplicaPlacement | None = None,
                     log_level: str = "info", parent_alive: Connection | None = None) -> None:
     """Entry point of the engine process (multiprocessing target)."""
     if parent_alive is not None:
-        threading.Thread(target=_exit_when_front_end_goes, args=(parent_alive,), daemon=True,
-                         name="meshserve-engine-watchdog").start()
+        exit_when_parent_goes(parent_alive, "meshserve-engine-watchdog")
     # The front end owns the lifecycle: on SIGTERM it drains first, then tells us to stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)

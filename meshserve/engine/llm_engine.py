@@ -46,8 +46,7 @@ class LLMEngine:
         if self.max_model_len > mcfg.max_position_embeddings:
             raise ValueError(f"max_model_len ({self.max_model_len}) exceeds the model's context "
                              f"({mcfg.max_position_embeddings})")
-        self.max_num_batched_tokens = config.max_num_batched_tokens or (
-            2048 if config.enable_chunked_prefill else max(2048, self.max_model_len))
+        self.max_num_batched_tokens = config.batched_token_budget(self.max_model_len)
         if not config.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(f"without chunked prefill, max_num_batched_tokens ({self.max_num_batched_tokens}) "
                              f"must be >= max_model_len ({self.max_model_len})")

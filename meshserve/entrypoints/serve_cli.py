@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from meshserve.server.server_config import DEFAULT_MAX_BODY_BYTES
+from meshserve.server.server_config import DEFAULT_MAX_BODY_BYTES, check_data_parallel_size
 
 _EPILOG = """\
 examples:
@@ -97,7 +97,6 @@ def _run_fleet(args: argparse.Namespace) -> int:
     from meshserve.entrypoints.gateway_cli import config_from_args
     from meshserve.entrypoints.local_fleet import replica_argv, run_fleet
 
-    if not 1 <= args.data_parallel_size <= 64:
-        raise ValueError(f"--data-parallel-size must be in [1, 64] with --gateway, got {args.data_parallel_size}")
+    check_data_parallel_size(args.data_parallel_size)
     argv = sys.argv[sys.argv.index("serve") + 1:] if "serve" in sys.argv else []
     return run_fleet(args, replica_argv(argv, args._parser, _FLEET_ONLY), config_from_args)

@@ -39,11 +39,13 @@ from meshserve.api.sse import (
 from meshserve.routing.policies import make_policy
 from meshserve.gateway.admission import DEADLINE_HEADER, Admission, Deadline, Reserver
 from meshserve.gateway.config import GatewayConfig
-from meshserve.gateway.failover import FailureProtocol, GatewayRequest
+from meshserve.gateway.failover import FailureProtocol
+from meshserve.gateway.request import GatewayRequest
 from meshserve.gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from meshserve.gateway.replicas import Replica, ReplicaIdentity, ReplicaSet
 from meshserve.gateway.tenants import Tenants
 from meshserve.gateway.tracing import Tracing, setup_tracing
+from meshserve.sampling_params import is_greedy
 
 logger = logging.getLogger(__name__)
 
@@ -257,8 +259,7 @@ class Gateway:
 
 def _resumable(req, chat: bool, num_prompts: int) -> bool:
     """Can a continuation on another replica give the same answer (see failover.py)?"""
-    sampled = req.temperature is None or req.temperature > 0
-    return (bool(req.stream) and req.n == 1 and num_prompts == 1 and (not sampled or req.seed is not None)
+    return (bool(req.stream) and req.n == 1 and num_prompts == 1 and (is_greedy(req.temperature) or req.seed is not None)
             and not req.frequency_penalty and not req.presence_penalty
             and not (req.logprobs if chat else (req.logprobs is not None or req.echo)))
 

@@ -5,13 +5,9 @@ from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from meshserve.routing.policies import POLICIES, CacheAwareConfig
+from meshserve.utils.checks import check_range
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
-
-
-def _in_range(name: str, value, low, high) -> None:
-    if isinstance(value, bool) or not low <= value <= high:
-        raise ValueError(f"{name} must be in [{low:g}, {high:g}], got {value!r}")
 
 
 @dataclass
@@ -58,21 +54,21 @@ class GatewayConfig:
             raise ValueError("--backend lists the same URL twice")
         if self.policy not in POLICIES:
             raise ValueError(f"--policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
-        _in_range("--port", self.port, 0, 65535)
-        _in_range("--probe-interval", self.probe_interval_s, 0.05, 600)
-        _in_range("--probe-timeout", self.probe_timeout_s, 0.05, 600)
-        _in_range("--stale-after", self.stale_after_s, 2 * self.probe_interval_s, 3600)
-        _in_range("--breaker-failures", self.breaker_failures, 1, 1000)
-        _in_range("--breaker-cooldown", self.breaker_cooldown_s, 0.05, 3600)
-        _in_range("--breaker-max-cooldown", self.breaker_max_cooldown_s, self.breaker_cooldown_s, 3600)
-        _in_range("--connect-timeout", self.connect_timeout_s, 0.05, 600)
-        _in_range("--first-token-timeout", self.first_token_timeout_s, 0.1, 86400)
-        _in_range("--retry-budget-ratio", self.retry_budget_ratio, 0.0, 1.0)
-        _in_range("--retry-budget-min", self.retry_budget_min, 0, 100000)
-        _in_range("--lease-ttl", self.lease_ttl_s, 0.1, 3600)
-        _in_range("--max-queued", self.max_queued, 1, 1_000_000)
-        _in_range("--max-queue-wait", self.max_queue_wait_s, 0.01, 86400)
-        _in_range("--max-body-bytes", self.max_body_bytes, 1024, 1 << 30)
+        check_range("--port", self.port, 0, 65535)
+        check_range("--probe-interval", self.probe_interval_s, 0.05, 600)
+        check_range("--probe-timeout", self.probe_timeout_s, 0.05, 600)
+        check_range("--stale-after", self.stale_after_s, 2 * self.probe_interval_s, 3600)
+        check_range("--breaker-failures", self.breaker_failures, 1, 1000)
+        check_range("--breaker-cooldown", self.breaker_cooldown_s, 0.05, 3600)
+        check_range("--breaker-max-cooldown", self.breaker_max_cooldown_s, self.breaker_cooldown_s, 3600)
+        check_range("--connect-timeout", self.connect_timeout_s, 0.05, 600)
+        check_range("--first-token-timeout", self.first_token_timeout_s, 0.1, 86400)
+        check_range("--retry-budget-ratio", self.retry_budget_ratio, 0.0, 1.0)
+        check_range("--retry-budget-min", self.retry_budget_min, 0, 100000)
+        check_range("--lease-ttl", self.lease_ttl_s, 0.1, 3600)
+        check_range("--max-queued", self.max_queued, 1, 1_000_000)
+        check_range("--max-queue-wait", self.max_queue_wait_s, 0.01, 86400)
+        check_range("--max-body-bytes", self.max_body_bytes, 1024, 1 << 30)
         if self.api_key is not None and self.tenants_file is not None:
             raise ValueError("give --api-key or --tenants, not both (tenants carry their own keys)")
         if self.api_key is not None and not self.api_key.strip():

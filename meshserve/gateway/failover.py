@@ -18,12 +18,9 @@
 from __future__ import annotations
 
 import asyncio
-import copy
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
-from typing import Any
 
 import aiohttp
 from opentelemetry import trace
@@ -40,9 +37,11 @@ from meshserve.gateway.admission import (
 )
 from meshserve.gateway.config import GatewayConfig
 from meshserve.gateway.metrics import GatewayMetrics
-from meshserve.gateway.replicas import ReplicaIdentity, ReplicaSet
-from meshserve.gateway.tenants import Tenant
+from meshserve.gateway.replicas import ReplicaSet
+from meshserve.gateway.request import GatewayRequest
+from meshserve.gateway.stream_shaper import StreamShaper
 from meshserve.gateway.tracing import Tracing
+from meshserve.sampling_params import API_PASSTHROUGH_FIELDS
 from meshserve.gateway.upstream import (
     RESERVATION_HEADER,
     TOKEN_IDS_HEADER,
@@ -55,9 +54,9 @@ from meshserve.gateway.upstream import (
 logger = logging.getLogger(__name__)
 
 MAX_RESUMES = 2  # a stream is continued at most this many times
-# Sampling fields a continuation carries over unchanged (a completions request with token ids).
-_CARRIED = ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos",
-            "repetition_penalty", "skip_special_tokens", "include_stop_str_in_output")
+# Sampling fields a continuation carries over unchanged (a completions request with token ids);
+# min_tokens counts what was already sent.
+_CARRIED = tuple(name for name in API_PASSTHROUGH_FIELDS if name != "min_tokens")
 
 
 class RetryBudget:
@@ -76,41 +75,6 @@ class RetryBudget:
             self.balance -= 1.0
             return True
         return False
-
-
-@dataclass
-class GatewayRequest:
-    request_id: str
-    endpoint: str  # /v1/completions or /v1/chat/completions
-    body: dict[str, Any]  # the client's, as sent
-    tenant: Tenant
-    like: ReplicaIdentity  # the replica that tokenized the prompt
-    prompt_ids: list[int]  # the (first) prompt, fully rendered
-    prompt_tokens: int  # over all prompts
-    max_tokens: int  # per sample
-    n: int
-    deadline: Deadline
-    arrival: float
-    span: trace.Span
-    reservable: bool  # one prompt: a lease can cover it
-    resumable: bool
-    quota: int = 0  # tokens taken from the tenant's bucket
-    completion_tokens: int = 0
-    outcome: str = "ok"
-    attempts: int = 0
-    exclude: set[int] = field(default_factory=set)
-
-    @property
-    def stream(self) -> bool:
-        return bool(self.body.get("stream"))
-
-    @property
-    def include_usage(self) -> bool:
-        return bool((self.body.get("stream_options") or {}).get("include_usage"))
-
-    @property
-    def chat(self) -> bool:
-        return self.endpoint.endswith("/chat/completions")
 
 
 class FailureProtocol:
@@ -258,7 +222,7 @@ class FailureProtocol:
         """The client's stream: the first attempt's events, then (on failure) a resumed attempt's,
         or a partial_stream_failure event."""
         span = self.tracing.tracer.start_span("stream", context=trace.set_span_in_context(greq.span))
-        shaper = _StreamShaper(greq, attempt.replica.index)
+        shaper = StreamShaper(greq, attempt.replica.index)
         try:
             while True:
                 try:
@@ -292,7 +256,7 @@ class FailureProtocol:
             span.end()
         yield DONE
 
-    async def _resume(self, greq: GatewayRequest, shaper: _StreamShaper, failure: AttemptFailed) -> Attempt | None:
+    async def _resume(self, greq: GatewayRequest, shaper: StreamShaper, failure: AttemptFailed) -> Attempt | None:
         if not (self.config.resume_streams and greq.resumable) or shaper.resumes >= MAX_RESUMES:
             return None
         if not self.budget.withdraw():
@@ -323,7 +287,7 @@ class FailureProtocol:
                     len(sent))
         return attempt
 
-    async def _gap(self, greq: GatewayRequest, shaper: _StreamShaper, attempt: Attempt) -> list[dict]:
+    async def _gap(self, greq: GatewayRequest, shaper: StreamShaper, attempt: Attempt) -> list[dict]:
         """Text of tokens already sent that the failed replica had not shown yet (held back for a
         stop string or an unfinished character): the continuation treats those tokens as prompt."""
         try:
@@ -335,69 +299,3 @@ class FailureProtocol:
         if full is None or not full.startswith(shaper.text) or len(full) == len(shaper.text):
             return []
         return [shaper.text_chunk(full[len(shaper.text):])]
-
-
-class _StreamShaper:
-    """Turns replica events into the client's stream: strips what the gateway asked for itself
-    (token ids, usage the client did not request), keeps one id/model across attempts, turns a
-    continuation's completion chunks into chat chunks, and counts what was sent."""
-
-    def __init__(self, greq: GatewayRequest, replica_index: int) -> None:
-        self.greq = greq
-        self.head: dict | None = None  # id, object, created, model of the client's stream
-        self.sent_ids: list[int] = []
-        self.text = ""
-        self.completion_tokens = 0
-        self.resumes = 0
-        self.finished = False
-        self.replica_index = replica_index  # of the attempt being relayed
-        self._base_completion = 0  # tokens sent before the current attempt
-
-    def resumed_on(self, attempt: Attempt) -> None:
-        self.resumes += 1
-        self.replica_index = attempt.replica.index
-        self._base_completion = len(self.sent_ids)
-
-    def shape(self, event: dict) -> list[dict]:
-        greq = self.greq
-        if self.head is None:
-            self.head = {k: event[k] for k in ("id", "object", "created", "model") if k in event}
-        if self.resumes:
-            event = self._as_original(event)
-        usage = event.get("usage")
-        if usage:
-            self.completion_tokens = self._base_completion + int(usage.get("completion_tokens", 0))
-            if self.resumes:
-                usage = {"prompt_tokens": greq.prompt_tokens, "completion_tokens": self.completion_tokens,
-                         "total_tokens": greq.prompt_tokens + self.completion_tokens}
-                event["usage"] = usage
-        for choice in event.get("choices") or ():
-            ids = choice.pop("token_ids", None)
-            if ids:
-                self.sent_ids.extend(ids)
-            self.text += choice.get("text") or (choice.get("delta") or {}).get("content") or ""
-            if choice.get("finish_reason"):
-                self.finished = True
-                if self.resumes:
-                    event["resumed"] = {"after_tokens": self._base_completion, "attempts": greq.attempts}
-        if not greq.include_usage:
-            event.pop("usage", None)
-            if usage and not event.get("choices"):
-                return []  # the usage chunk the gateway asked for on its own
-        return [event]
-
-    def _as_original(self, event: dict) -> dict:
-        """A continuation's completion chunk, dressed as the client's stream."""
-        event = {**copy.deepcopy(event), **(self.head or {})}
-        if self.greq.chat:
-            event["choices"] = [{"index": c.get("index", 0), "delta": {"content": c["text"]} if c.get("text") else {},
-                                 "logprobs": None, "finish_reason": c.get("finish_reason"),
-                                 **({"token_ids": c["token_ids"]} if "token_ids" in c else {})}
-                                for c in event.get("choices") or ()]
-        return event
-
-    def text_chunk(self, text: str) -> dict:
-        self.text += text
-        choice = ({"index": 0, "delta": {"content": text}, "logprobs": None, "finish_reason": None} if self.greq.chat
-                  else {"index": 0, "text": text, "logprobs": None, "finish_reason": None})
-        return {**(self.head or {}), "choices": [choice]}

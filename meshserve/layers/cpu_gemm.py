@@ -10,6 +10,8 @@ packed copy costs one more copy of each linear weight in host memory.
 In bfloat16, oneDNN runs on AMX tiles where the CPU has them (Sapphire Rapids and later) and
 `F.linear` reorders the weight on every call: the packed weight was 1.2-2x faster from 1 to 256
 rows and level at 1024 on SmolLM2's shapes (2 cores with AMX), so bfloat16 always takes it.
+On a CPU without the instructions oneDNN's bfloat16 linear needs (AVX-512 BW/VL/DQ or
+AVX-NE-CONVERT: an AVX2-only part), bfloat16 weights stay unpacked and take `F.linear`.
 MESHSERVE_DISABLE_CPU_KERNELS=1 turns it off.
 
 oneDNN builds (and JIT-compiles) a primitive for every row count it meets: 3-5 ms per weight shape
@@ -26,6 +28,8 @@ import os
 import torch
 import torch.nn.functional as F
 
+from meshserve.utils.cpuinfo import onednn_packs_bf16
+
 PACKED_MAX_ROWS = 128  # crossover measured on SmolLM2's shapes, 2 AVX2 cores: ~150-250 rows
 # Below this many rows oneDNN's setup per call (~20 us) outweighs what it saves on a decoder layer's
 # weights: MKL ran SmolLM2's layers ~10% faster at 1-3 rows, oneDNN 1.3x faster from 4 (2 AVX-512
@@ -36,20 +40,31 @@ _ANY_ROWS = (1, 1 << 62)
 BF16_ROW_MULTIPLE = 16
 
 
+_NO_ROWS = (1, 0)
+
+
+def packs(dtype: torch.dtype) -> bool:
+    """Weights of this dtype are packed for oneDNN on this machine."""
+    if dtype == torch.bfloat16 and not onednn_packs_bf16():
+        return False
+    return (dtype in (torch.float32, torch.bfloat16) and torch.backends.mkldnn.is_available()
+            and os.environ.get("MESHSERVE_DISABLE_CPU_KERNELS") != "1")
+
+
 def row_multiple(dtype: torch.dtype) -> int:
     """Packed matmuls of this dtype run on a row count rounded up to a multiple of this."""
-    return BF16_ROW_MULTIPLE if dtype == torch.bfloat16 else 1
+    return BF16_ROW_MULTIPLE if dtype == torch.bfloat16 and packs(dtype) else 1
 
 
 def packed_rows(dtype: torch.dtype, min_rows: int = PACKED_MIN_ROWS) -> tuple[int, int]:
     """The row counts (inclusive) for which a packed weight of this dtype is used."""
+    if not packs(dtype):
+        return _NO_ROWS
     return _ANY_ROWS if dtype == torch.bfloat16 else (min_rows, PACKED_MAX_ROWS)
 
 
 def _enabled(weight: torch.Tensor) -> bool:
-    return (weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16)
-            and torch.backends.mkldnn.is_available()
-            and os.environ.get("MESHSERVE_DISABLE_CPU_KERNELS") != "1")
+    return weight.device.type == "cpu" and packs(weight.dtype)
 
 
 class PrepackedMatmul:

@@ -12,6 +12,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from meshserve.models.geometry import check_geometry
+
 
 @dataclass
 class ModelConfig:
@@ -56,17 +58,10 @@ class ModelConfig:
         if isinstance(self.eos_token_id, int):
             self.eos_token_id = [self.eos_token_id]
         self.eos_token_id = list(self.eos_token_id or [])
-        for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-                     "vocab_size"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(
-                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
-                f"num_key_value_heads ({self.num_key_value_heads})")
-        if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
-            raise ValueError(f"num_experts_per_tok must be in 1..{self.num_experts}, "
-                             f"got {self.num_experts_per_tok}")
+        check_geometry(self.architecture, hidden_size=self.hidden_size, num_layers=self.num_hidden_layers,
+                       num_attention_heads=self.num_attention_heads, num_kv_heads=self.num_key_value_heads,
+                       vocab_size=self.vocab_size, head_dim=self.head_dim, num_experts=self.num_experts,
+                       experts_per_token=self.num_experts_per_tok)
 
     # ---- geometry ----------------------------------------------------------------------
     @property
@@ -84,24 +79,6 @@ class ModelConfig:
     @property
     def num_moe_layers(self) -> int:
         return sum(self.is_moe_layer(i) for i in range(self.num_hidden_layers))
-
-    @property
-    def num_params(self) -> int:
-        """Every parameter (all experts), counted from the geometry; latent attention is not counted."""
-        h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
-        q = self.num_attention_heads * self.head_dim
-        kv = self.num_key_value_heads * self.head_dim
-        attn = (h * (q + 2 * kv) + q * h + (q + 2 * kv if self.attention_bias else 0)
-                + (2 * self.head_dim if self.qk_norm else 0))
-        dense = 3 * h * i
-        moe = (self.num_experts * 3 * h * self.moe_intermediate_size + h * self.num_experts
-               + 3 * h * self.shared_expert_intermediate_size
-               + (h if self.shared_expert_intermediate_size else 0)
-               + self.num_shared_experts * 3 * h * self.moe_intermediate_size)
-        layers = sum(attn + 2 * h + (moe if self.is_moe_layer(k) else dense)
-                     for k in range(self.num_hidden_layers))
-        embed = v * h * (1 if self.tie_word_embeddings else 2)
-        return layers + embed + h
 
     # ---- config.json -------------------------------------------------------------------
     @classmethod

@@ -20,6 +20,8 @@ import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from meshserve.models.geometry import kv_entries_per_token
+
 from .params import ParamCounts
 from .specs import ModelSpec
 from .units import dtype_bytes
@@ -46,7 +48,7 @@ def kv_entries_per_layer(spec: ModelSpec, tp: int = 1) -> int:
     """Cached elements per token and layer on one rank."""
     if spec.is_mla:
         return spec.kv_lora_rank + spec.qk_rope_head_dim
-    return 2 * kv_heads_per_rank(spec, tp) * spec.head_dim
+    return kv_entries_per_token(kv_heads_per_rank(spec, tp), spec.head_dim)
 
 
 def kv_bytes_per_token(spec: ModelSpec, kv_dtype: str) -> float:

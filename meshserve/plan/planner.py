@@ -5,6 +5,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 from meshserve.config import CPU_PREFILL_CHUNK_WITH_DECODES
+from meshserve.utils.checks import check_range
 
 from .goodput import OperatingPoint, Workload, operating_point, slo_capacity
 from .layouts import Layout, enumerate_layouts, structural_check
@@ -63,12 +64,12 @@ class PlanConfig:
         dtype_bytes(self.weight_dtype)
         self.kv_cache_dtype = resolve_kv_dtype(self.kv_cache_dtype, self.weight_dtype)
         if self.gpu_memory_gib is not None:
-            _positive("--gpu-memory-gib", self.gpu_memory_gib)
+            check_range("--gpu-memory-gib", self.gpu_memory_gib, 0, lo_open=True)
             self.gpu = replace(self.gpu, memory_bytes=self.gpu_memory_gib * GiB)
         self.gpus_per_node = self.gpus_per_node or self.gpu.gpus_per_node
-        _positive("--gpus-per-node", self.gpus_per_node)
+        check_range("--gpus-per-node", self.gpus_per_node, 0, lo_open=True)
         self.max_model_len = self.max_model_len or min(DEFAULT_MAX_MODEL_LEN, self.model.max_context)
-        _positive("--max-model-len", self.max_model_len)
+        check_range("--max-model-len", self.max_model_len, 0, lo_open=True)
         if self.max_model_len > self.model.max_context:
             self.notes.append(f"--max-model-len {self.max_model_len} exceeds the model's "
                               f"{self.model.max_context} positions")
@@ -76,42 +77,34 @@ class PlanConfig:
             self.output_len = self.output_len or max(1, self.max_model_len // 4)
             self.prompt_len = max(1, self.max_model_len - self.output_len)
         self.output_len = self.output_len or max(1, self.max_model_len - self.prompt_len)
-        _positive("--prompt-len", self.prompt_len)
-        _positive("--output-len", self.output_len)
+        check_range("--prompt-len", self.prompt_len, 0, lo_open=True)
+        check_range("--output-len", self.output_len, 0, lo_open=True)
         if self.prompt_len + self.output_len > self.max_model_len:
             raise ValueError(f"--prompt-len {self.prompt_len} + --output-len {self.output_len} "
                              f"exceeds --max-model-len {self.max_model_len}")
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(f"--gpu-memory-utilization must be in (0, 1], "
-                             f"got {self.gpu_memory_utilization}")
-        if self.runtime_reserve_gib < 0:
-            raise ValueError(f"--runtime-reserve-gib must be >= 0, got {self.runtime_reserve_gib}")
+        check_range("--gpu-memory-utilization", self.gpu_memory_utilization, 0, 1, lo_open=True)
+        check_range("--runtime-reserve-gib", self.runtime_reserve_gib, 0)
         if self.compute_efficiency is None:
             self.compute_efficiency = 1.0 if self.gpu.measured else DATASHEET_COMPUTE_EFFICIENCY
         for flag, value in (("--compute-efficiency", self.compute_efficiency),
                             ("--bandwidth-efficiency", self.bandwidth_efficiency)):
-            if not 0 < value <= 1:
-                raise ValueError(f"{flag} must be in (0, 1], got {value}")
+            check_range(flag, value, 0, 1, lo_open=True)
         for flag, value in (("--kv-transfer-bandwidth-gbs", self.kv_transfer_bandwidth_gbs),
                             ("--slo-ttft-ms", self.slo_ttft_ms), ("--slo-itl-ms", self.slo_itl_ms),
                             ("--request-rate", self.request_rate)):
             if value is not None:
-                _positive(flag, value)
-        if self.simulate_requests < 2:
-            raise ValueError(f"--simulate-requests must be >= 2, got {self.simulate_requests}")
-        _positive("--max-num-batched-tokens", self.max_num_batched_tokens)
+                check_range(flag, value, 0, lo_open=True)
+        check_range("--simulate-requests", self.simulate_requests, 2, integer=True)
+        check_range("--max-num-batched-tokens", self.max_num_batched_tokens, 0, lo_open=True)
         if self.prefill_chunk_with_decodes is None:
             self.prefill_chunk_with_decodes = CPU_PREFILL_CHUNK_WITH_DECODES if self.gpu.is_cpu else 0
-        if self.prefill_chunk_with_decodes < 0:
-            raise ValueError(f"--prefill-chunk-with-decodes must be >= 0 (0: no cap), got "
-                             f"{self.prefill_chunk_with_decodes}")
+        check_range("--prefill-chunk-with-decodes", self.prefill_chunk_with_decodes, 0, hint=" (0: no cap)")
         for flag, value in (("--kv-transfer-overhead-ms", self.kv_transfer_overhead_ms),
                             ("--serving-overhead-ms", self.serving_overhead_ms),
                             ("--token-overhead-ms", self.token_overhead_ms)):
-            if value < 0:
-                raise ValueError(f"{flag} must be >= 0, got {value}")
-        if self.moe_load_max_to_mean is not None and self.moe_load_max_to_mean < 1:
-            raise ValueError(f"--moe-load-max-to-mean must be >= 1 (1 = balanced), got {self.moe_load_max_to_mean}")
+            check_range(flag, value, 0)
+        if self.moe_load_max_to_mean is not None:
+            check_range("--moe-load-max-to-mean", self.moe_load_max_to_mean, 1, hint=" (1 = balanced)")
         if self.enable_expert_parallel and not self.model.is_moe:
             raise ValueError(f"--enable-expert-parallel needs a mixture-of-experts model; {self.model.name} is dense")
         self.layouts()
@@ -126,11 +119,6 @@ class PlanConfig:
         return Workload(self.prompt_len, self.output_len,
                         self.slo_ttft_ms / 1e3 if self.slo_ttft_ms else math.inf,
                         self.slo_itl_ms / 1e3 if self.slo_itl_ms else math.inf)
-
-
-def _positive(flag: str, value: float) -> None:
-    if not value > 0:
-        raise ValueError(f"{flag} must be > 0, got {value}")
 
 
 @dataclass

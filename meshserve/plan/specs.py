@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from meshserve.models.geometry import check_geometry
 from meshserve.models.sharding import ShardedDims
 
 from .units import GB, GiB, MiB
@@ -45,16 +46,10 @@ class ModelSpec:
     notes: str = ""
 
     def __post_init__(self) -> None:
-        for field in ("num_layers", "hidden_size", "num_attention_heads", "num_kv_heads",
-                      "head_dim", "vocab_size"):
-            if getattr(self, field) <= 0:
-                raise ValueError(f"model {self.name!r}: {field} must be > 0")
-        if self.num_attention_heads % self.num_kv_heads:
-            raise ValueError(f"model {self.name!r}: {self.num_attention_heads} attention heads "
-                             f"are not a multiple of {self.num_kv_heads} KV heads")
-        if self.num_experts and not 0 < self.experts_per_token <= self.num_experts:
-            raise ValueError(f"model {self.name!r}: experts_per_token must be in "
-                             f"1..{self.num_experts}")
+        check_geometry(f"model {self.name!r}", hidden_size=self.hidden_size, num_layers=self.num_layers,
+                       num_attention_heads=self.num_attention_heads, num_kv_heads=self.num_kv_heads,
+                       vocab_size=self.vocab_size, head_dim=self.head_dim, num_experts=self.num_experts,
+                       experts_per_token=self.experts_per_token)
 
     @property
     def is_moe(self) -> bool:

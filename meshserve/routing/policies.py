@@ -19,6 +19,7 @@ from typing import Sequence
 
 from meshserve.routing.block_hash import prompt_block_hashes
 from meshserve.routing.prefix_index import PrefixIndex
+from meshserve.utils.checks import check_range
 
 logger = logging.getLogger(__name__)
 
@@ -102,8 +103,7 @@ class CacheAwareConfig:
                   ("slack_requests", self.slack_requests, 0, 1e6), ("slack_ratio", self.slack_ratio, 0.0, 10.0),
                   ("index_blocks", self.index_blocks, 1, 1e9)]
         for name, value, low, high in checks:
-            if not low <= value <= high:
-                raise ValueError(f"{name} must be in [{low:g}, {high:g}], got {value!r}")
+            check_range(name, value, low, high)
 
 
 @dataclass

@@ -3,7 +3,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from meshserve.utils.checks import check_range
+
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+MAX_PROMPTS_PER_REQUEST = 4096
+MAX_DATA_PARALLEL_SIZE = 64  # engine replicas of one server, or replica servers of one `serve --gateway`
+
+
+def check_data_parallel_size(size: int) -> None:
+    check_range("--data-parallel-size", size, 1, MAX_DATA_PARALLEL_SIZE, integer=True)
 
 
 @dataclass
@@ -21,22 +29,16 @@ class ServerConfig:
     log_level: str = "info"
 
     def __post_init__(self) -> None:
-        if not 0 <= self.port <= 65535:
-            raise ValueError(f"--port must be in [0, 65535], got {self.port}")
-        if self.drain_timeout < 0:
-            raise ValueError(f"--drain-timeout must be >= 0 seconds, got {self.drain_timeout}")
-        if self.max_queued_requests is not None and self.max_queued_requests < 1:
-            raise ValueError(f"--max-queued-requests must be >= 1, got {self.max_queued_requests}")
-        if not 1 <= self.max_prompts_per_request <= 4096:
-            raise ValueError(f"--max-prompts-per-request must be in [1, 4096], got {self.max_prompts_per_request}")
-        if self.max_engine_restarts < 0:
-            raise ValueError(f"--max-engine-restarts must be >= 0, got {self.max_engine_restarts}")
-        if self.engine_restart_window <= 0:
-            raise ValueError(f"--engine-restart-window must be > 0 seconds, got {self.engine_restart_window}")
-        if self.max_body_bytes < 1024:
-            raise ValueError(f"--max-body-bytes must be >= 1024, got {self.max_body_bytes}")
-        if not 1 <= self.data_parallel_size <= 64:
-            raise ValueError(f"--data-parallel-size must be in [1, 64], got {self.data_parallel_size}")
+        check_range("--port", self.port, 0, 65535, integer=True)
+        check_range("--drain-timeout", self.drain_timeout, 0)
+        if self.max_queued_requests is not None:
+            check_range("--max-queued-requests", self.max_queued_requests, 1, integer=True)
+        check_range("--max-prompts-per-request", self.max_prompts_per_request, 1, MAX_PROMPTS_PER_REQUEST,
+                    integer=True)
+        check_range("--max-engine-restarts", self.max_engine_restarts, 0, integer=True)
+        check_range("--engine-restart-window", self.engine_restart_window, 0, lo_open=True)
+        check_range("--max-body-bytes", self.max_body_bytes, 1024, integer=True)
+        check_data_parallel_size(self.data_parallel_size)
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("--api-key must not be empty")
 

@@ -9,11 +9,12 @@ import logging
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import AsyncIterator
 
 from starlette.requests import Request
 from starlette.responses import Response
 
+from meshserve.api.chunks import response_body, usage
 from meshserve.api.errors import APIError, bad_request, error_body, from_value_error
 from meshserve.api.json_body import parse, read_json  # noqa: F401  (the handlers import them from here)
 from meshserve.api.limits import resolve_max_tokens
@@ -27,7 +28,7 @@ from meshserve.api.sse import (
     sse_event,
 )
 from meshserve.engine.messages import RequestDelta
-from meshserve.sampling_params import SamplingParams
+from meshserve.sampling_params import API_PASSTHROUGH_FIELDS, SamplingParams
 from meshserve.engine.client import (
     EngineCallError,
     EngineClient,
@@ -123,18 +124,9 @@ class ServingContext:
     def sampling_params(self, req: SamplingFields, max_tokens: int, logprobs: int | None) -> SamplingParams:
         if req.logit_bias:
             raise bad_request("logit_bias is not supported", param="logit_bias")
-        kwargs: dict[str, Any] = dict(
-            n=req.n, max_tokens=max_tokens, seed=req.seed, stop=req.stop, logprobs=logprobs,
-            presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
-            min_tokens=req.min_tokens, ignore_eos=req.ignore_eos, stop_token_ids=req.stop_token_ids,
-            skip_special_tokens=req.skip_special_tokens,
-            include_stop_str_in_output=req.include_stop_str_in_output)
-        for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
-            value = getattr(req, name)
-            if value is not None:
-                kwargs[name] = value
-        try:
-            return SamplingParams(**kwargs)
+        given = {name: value for name in API_PASSTHROUGH_FIELDS if (value := getattr(req, name)) is not None}
+        try:  # what the client left out takes SamplingParams' defaults
+            return SamplingParams(n=req.n, max_tokens=max_tokens, logprobs=logprobs, **given)
         except ValueError as exc:
             raise from_value_error(exc) from None
 
@@ -234,8 +226,8 @@ class ResponseView:
         return sample_index
 
     def body(self, choices: list[dict], chunk: bool = False) -> dict:
-        body = {"id": self.id, "object": self.chunk_object_name if chunk else self.object_name,
-                "created": self.created, "model": self.ctx.model_name, "choices": choices}
+        body = response_body(self.id, self.chunk_object_name if chunk else self.object_name, self.created,
+                           self.ctx.model_name, choices)
         if chunk and self.include_usage:
             body["usage"] = None
         return body
@@ -320,8 +312,3 @@ def tokenizer_hash(tokenizer) -> str:
 
 def clamp_logprob(value: float) -> float:
     return value if value > _MIN_LOGPROB else _MIN_LOGPROB
-
-
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}

@@ -8,6 +8,7 @@ from typing import AsyncIterator
 from starlette.requests import Request
 from starlette.responses import Response
 
+from meshserve.api.chunks import CHAT_CHUNK_OBJECT, CHAT_OBJECT, chat_delta_choice, chat_message_choice, usage
 from meshserve.api.errors import bad_request
 from meshserve.api.protocol import ChatCompletionRequest
 from meshserve.engine.messages import RequestDelta
@@ -17,7 +18,6 @@ from meshserve.server.serving import (
     clamp_logprob,
     parse,
     read_json,
-    usage,
 )
 
 
@@ -43,8 +43,8 @@ async def create_chat_completion(ctx: ServingContext, request: Request) -> Respo
 
 
 class _ChatView(ResponseView):
-    object_name = "chat.completion"
-    chunk_object_name = "chat.completion.chunk"
+    object_name = CHAT_OBJECT
+    chunk_object_name = CHAT_CHUNK_OBJECT
 
     def _logprobs(self, token_ids: list[int], entries) -> dict:
         ctx, num = self.ctx, self.req.top_logprobs or 0
@@ -60,16 +60,15 @@ class _ChatView(ResponseView):
 
     async def collect(self, outputs: AsyncIterator[RequestDelta]) -> dict:
         gathered, completion_tokens = await self.gather(outputs)
-        choices = [{"index": k, "message": {"role": "assistant", "content": gathered[k].text},
-                    "logprobs": self._logprobs(gathered[k].token_ids, gathered[k].logprobs)
-                    if self.req.logprobs else None,
-                    "finish_reason": gathered[k].finish_reason} for k in range(self.req.n)]
+        choices = [chat_message_choice(k, gathered[k].text,
+                                       self._logprobs(gathered[k].token_ids, gathered[k].logprobs)
+                                       if self.req.logprobs else None, gathered[k].finish_reason)
+                   for k in range(self.req.n)]
         return {**self.body(choices), "usage": usage(self.prompt_tokens, completion_tokens)}
 
     async def chunks(self, outputs: AsyncIterator[RequestDelta]) -> AsyncIterator[dict]:
         for k in range(self.req.n):
-            yield self.body([{"index": k, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                              "finish_reason": None}], chunk=True)
+            yield self.body([chat_delta_choice(k, "", role="assistant")], chunk=True)
         completion_tokens = 0
         async for delta in outputs:
             for s in delta.outputs:
@@ -77,10 +76,7 @@ class _ChatView(ResponseView):
                 if not s.text and s.finish_reason is None and not self.req.logprobs and not self.return_token_ids:
                     continue  # nothing to show yet (e.g. half of a multi-byte character)
                 logprobs = self._logprobs(s.token_ids, s.logprobs) if self.req.logprobs else None
-                choice = {"index": s.index, "delta": {"content": s.text} if s.text else {},
-                          "logprobs": logprobs, "finish_reason": s.finish_reason}
-                if self.return_token_ids:
-                    choice["token_ids"] = s.token_ids
-                yield self.body([choice], chunk=True)
+                yield self.body([chat_delta_choice(s.index, s.text, logprobs, s.finish_reason,
+                                                   s.token_ids if self.return_token_ids else None)], chunk=True)
         if self.include_usage:
             yield self.usage_chunk(completion_tokens)

@@ -9,6 +9,7 @@ from typing import AsyncIterator
 from starlette.requests import Request
 from starlette.responses import Response
 
+from meshserve.api.chunks import COMPLETION_OBJECT, completion_choice, usage
 from meshserve.api.errors import bad_request
 from meshserve.api.limits import COMPLETIONS_DEFAULT_MAX_TOKENS
 from meshserve.api.protocol import CompletionRequest
@@ -19,7 +20,6 @@ from meshserve.server.serving import (
     clamp_logprob,
     parse,
     read_json,
-    usage,
 )
 
 
@@ -64,7 +64,7 @@ async def _prompts(ctx: ServingContext, prompt) -> list[tuple[str | None, list[i
 
 
 class _CompletionView(ResponseView):
-    object_name = chunk_object_name = "text_completion"
+    object_name = chunk_object_name = COMPLETION_OBJECT
 
     def __init__(self, ctx: ServingContext, req: CompletionRequest, completion_id: str,
                  prompts: list[tuple[str | None, list[int]]], request_id: str) -> None:
@@ -99,7 +99,7 @@ class _CompletionView(ResponseView):
             c = gathered[k]
             text = self._prompt_text(k) + c.text if self.req.echo else c.text
             logprobs = self._logprobs(c.token_ids, c.logprobs, 0)[0] if self.req.logprobs is not None else None
-            choices.append({"index": k, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason})
+            choices.append(completion_choice(k, text, logprobs, c.finish_reason))
         return {**self.body(choices), "usage": usage(self.prompt_tokens, completion_tokens)}
 
     async def chunks(self, outputs: AsyncIterator[RequestDelta]) -> AsyncIterator[dict]:
@@ -119,9 +119,7 @@ class _CompletionView(ResponseView):
                     logprobs, offsets[k] = self._logprobs(s.token_ids, s.logprobs, offsets[k])
                 elif not text and s.finish_reason is None and not self.return_token_ids:
                     continue  # nothing to show yet (e.g. half of a multi-byte character)
-                choice = {"index": k, "text": text, "logprobs": logprobs, "finish_reason": s.finish_reason}
-                if self.return_token_ids:
-                    choice["token_ids"] = s.token_ids
-                yield self.body([choice], chunk=True)
+                yield self.body([completion_choice(k, text, logprobs, s.finish_reason,
+                                                   s.token_ids if self.return_token_ids else None)], chunk=True)
         if self.include_usage:
             yield self.usage_chunk(completion_tokens)

@@ -18,10 +18,8 @@ import os
 import pickle
 import shutil
 import signal
-import socket
 import sys
 import tempfile
-import threading
 import time
 import traceback
 import weakref
@@ -32,8 +30,10 @@ from typing import NoReturn
 import torch
 
 from meshserve.config import EngineConfig
+from meshserve.distributed.parallel_state import keep_gloo_on_loopback
 from meshserve.distributed.placement import replica_placement
 from meshserve.models.loader import ModelSource
+from meshserve.utils.watchdog import exit_when_parent_goes
 from meshserve.worker.executor import DistributedExecutor, WorkerFailure
 from meshserve.worker.rank_messages import RankAnswer, RankCall, RankCrashed, RankMethod, RankReply, RankStepFailed
 
@@ -73,19 +73,6 @@ def _context():
 
 
 # ---- the worker process ---------------------------------------------------------------------
-def _exit_with_engine(engine_alive: Connection) -> None:
-    try:
-        engine_alive.recv()  # nothing is ever sent: this returns when the engine's end closes
-    except (EOFError, OSError):
-        pass
-    os._exit(0)
-
-
-def _keep_gloo_on_loopback() -> None:
-    if "GLOO_SOCKET_IFNAME" not in os.environ and any(name == "lo" for _, name in socket.if_nameindex()):
-        os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-
-
 def _worker_main(rank: int, conn: Connection, engine_alive: Connection, config: EngineConfig,
                  source: ModelSource, max_model_len: int, store_path: str, device: torch.device,
                  cores: list[int], environ: dict[str, str]) -> None:
@@ -95,8 +82,8 @@ def _worker_main(rank: int, conn: Connection, engine_alive: Connection, config: 
     os.environ.clear()
     os.environ.update(environ)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the engine, which stops the ranks
-    threading.Thread(target=_exit_with_engine, args=(engine_alive,), daemon=True).start()
-    _keep_gloo_on_loopback()
+    exit_when_parent_goes(engine_alive, "meshserve-rank-watchdog")
+    keep_gloo_on_loopback()
     try:
         store = torch.distributed.FileStore(store_path, config.world_size)
         worker = Worker(config, source, max_model_len, rank, store, device, cores)

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from meshserve.layers import cpu_kernels
 from meshserve.layers.attention import AttentionMetadata, PagedAttention
+from meshserve.utils.cpuinfo import onednn_packs_bf16
 
 BLOCK = 16
 HEAD_DIM = 64
@@ -284,21 +285,30 @@ def test_packed_linear_matches_f_linear(rows, bias, lm_head):
     torch.testing.assert_close(out, F.linear(x, lin.weight, getattr(lin, "bias", None)), rtol=1e-5, atol=1e-4)
 
 
+def _bf16_packing_paths() -> list[bool]:
+    """Whether bf16 weights are packed: both where this CPU can pack them, else only unpacked."""
+    return [True, False] if onednn_packs_bf16() else [False]
+
+
+@pytest.mark.parametrize("packing", _bf16_packing_paths())
 @pytest.mark.parametrize("rows", [1, 3, 129, 700])
-def test_bf16_packed_linear_takes_every_row_count(rows):
+def test_bf16_packed_linear_takes_every_row_count(rows, packing, monkeypatch):
+    from meshserve.layers import cpu_gemm
     from meshserve.layers.linear import ColumnParallelLinear
 
+    monkeypatch.setattr(cpu_gemm, "onednn_packs_bf16", lambda: packing)
     lin = ColumnParallelLinear(96, 200, bias=True)
     g = torch.Generator().manual_seed(rows)
     lin.weight.data = torch.randn(200, 96, generator=g).bfloat16()
     lin.bias.data = torch.randn(200, generator=g).bfloat16()
     lin.prepack()
-    assert lin._packed is not None
+    assert (lin._packed is not None) == packing
     x = torch.randn(rows, 96, generator=g).bfloat16()
     with _packed_row_counts() as calls:
         out = lin(x)
-    # oneDNN sees the rows padded to whole AMX tiles (one primitive per 16 rows, not per row count)
-    assert calls == [-(-rows // 16) * 16]
+    # oneDNN sees the rows padded to whole AMX tiles (one primitive per 16 rows, not per row count);
+    # a CPU that cannot pack bf16 (AVX2 only) runs F.linear
+    assert calls == ([-(-rows // 16) * 16] if packing else [])
     assert out.dtype == torch.bfloat16 and out.shape == (rows, 200)
     expected = F.linear(x.float(), lin.weight.float(), lin.bias.float())
     torch.testing.assert_close(out.float(), expected, rtol=1e-2, atol=5e-2)
@@ -326,7 +336,7 @@ def test_warm_up_builds_the_row_counts_that_steps_bring(tmp_path, dtype):
 
     with _packed_row_counts() as warmed:  # the runner builds them as it starts
         runner = tiny_runner(tmp_path, dtype=dtype, max_num_seqs=8, prefill_chunk_with_decodes=24)
-    if dtype == "float32":  # unpadded row counts: too many to build ahead, so none are
+    if dtype == "float32" or not onednn_packs_bf16():  # unpadded row counts: too many to build ahead
         assert warmed == []
         return
     # four decoder weight shapes up to 24 + 8 token rows, the LM head up to 8 sequences, padded

@@ -65,6 +65,8 @@ def test_a_cpu_server_caps_the_prompt_tokens_joining_running_decodes_at_256(tmp_
     unset = replace(offline, prefill_chunk_with_decodes=0)              # 0: no cap, also when served
     assert prompt_chunks(unset.serving_defaults()) == [600, 0, 0]
     assert prompt_chunks(replace(offline, prefill_chunk_with_decodes=400).serving_defaults()) == [400, 200, 0]
-    for bad in (-1, True, 2.5):
-        with pytest.raises(ValueError, match="prefill_chunk_with_decodes must be a token count >= 0"):
+    with pytest.raises(ValueError, match=r"prefill_chunk_with_decodes must be >= 0 \(a token count"):
+        EngineConfig(model="x", prefill_chunk_with_decodes=-1)
+    for bad in (True, 2.5):
+        with pytest.raises(ValueError, match="prefill_chunk_with_decodes must be an integer"):
             EngineConfig(model="x", prefill_chunk_with_decodes=bad)

@@ -1,0 +1,29 @@
+"""The rules of a decoder's geometry that the engine (ModelConfig) and the planner (ModelSpec) share:
+what makes a geometry valid, and how many bytes its KV cache takes."""
+from __future__ import annotations
+
+from meshserve.utils.checks import check_range
+
+
+def check_geometry(where: str, *, hidden_size: int, num_layers: int, num_attention_heads: int, num_kv_heads: int,
+                   vocab_size: int, head_dim: int, num_experts: int = 0, experts_per_token: int = 0) -> None:
+    """ValueError naming the model (`where`) and the field that makes the geometry impossible."""
+    for name, value in (("hidden_size", hidden_size), ("num_hidden_layers", num_layers),
+                        ("num_attention_heads", num_attention_heads), ("num_key_value_heads", num_kv_heads),
+                        ("vocab_size", vocab_size), ("head_dim", head_dim)):
+        check_range(f"{where}: {name}", value, 0, lo_open=True)
+    if num_attention_heads % num_kv_heads:
+        raise ValueError(f"{where}: num_attention_heads ({num_attention_heads}) must be a multiple of "
+                         f"num_key_value_heads ({num_kv_heads})")
+    if num_experts:
+        check_range(f"{where}: num_experts_per_tok", experts_per_token, 1, num_experts)
+
+
+def kv_entries_per_token(num_kv_heads: int, head_dim: int) -> int:
+    """Cached elements per token and layer: a key and a value per KV head."""
+    return 2 * num_kv_heads * head_dim
+
+
+def kv_block_bytes(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, element_bytes: int) -> int:
+    """Bytes of one KV-cache block over `num_layers` layers (of one rank: its KV heads and layers)."""
+    return num_layers * kv_entries_per_token(num_kv_heads, head_dim) * block_size * element_bytes
