@@ -14,7 +14,7 @@ import time
 import torch
 
 from meshserve.layers import cpu_kernels
-from meshserve.layers.attention import AttentionMetadata, PagedAttention
+from meshserve.layers.attention.torch_ref import gathered_decode
 
 
 def make_inputs(batch: int, context: int, heads=9, kv_heads=3, head_dim=64, block_size=16, seed=0):
@@ -28,8 +28,7 @@ def make_inputs(batch: int, context: int, heads=9, kv_heads=3, head_dim=64, bloc
     lens = context - torch.randint(0, block_size, (batch,), generator=g)
     mask = (torch.arange(width * block_size)[None, :] < lens[:, None])[:, None, None, :]
     q = torch.randn(batch, heads, head_dim, generator=g)
-    meta = AttentionMetadata(torch.empty(0, dtype=torch.long), [], 0, tables, mask, lens)
-    return q, k_cache, v_cache, meta, lens
+    return q, k_cache, v_cache, tables, mask, lens
 
 
 def best_ms(fns, repeats: int) -> list[float]:
@@ -54,10 +53,9 @@ def main() -> int:
     args = ap.parse_args()
     if not cpu_kernels.available():
         raise SystemExit("the CPU attention kernel did not build; nothing to compare")
-    q, k_cache, v_cache, meta, lens = make_inputs(args.batch, args.context)
-    attn = PagedAttention(9, 3, 64)
-    old = lambda: attn._decode_torch(q, k_cache, v_cache, meta)  # noqa: E731
-    new = lambda: cpu_kernels.paged_decode(q, k_cache, v_cache, meta.decode_block_tables, lens, 64 ** -0.5)  # noqa: E731
+    q, k_cache, v_cache, tables, mask, lens = make_inputs(args.batch, args.context)
+    old = lambda: gathered_decode(q, k_cache, v_cache, tables, mask)  # noqa: E731
+    new = lambda: cpu_kernels.paged_decode(q, k_cache, v_cache, tables, lens, 64 ** -0.5)  # noqa: E731
     with torch.inference_mode():
         diff = (old() - new()).abs().max().item()
         print(f"B={args.batch} context~{args.context} float32, max abs diff {diff:.2e}")

@@ -3,23 +3,21 @@ bfloat16 for every batch.
 
 With a handful of rows (decode steps: one row per running sequence) MKL's sgemm, which
 `F.linear` calls, packs panels of the weight on every call, work that a few rows cannot amortise;
-oneDNN reading a weight packed once into its own blocked layout ran these shapes 1.2-2x faster
-here (the LM head up to 3x). From a
-few hundred rows on (prefill chunks) MKL is as fast or faster, so those keep `F.linear`. The
-packed copy costs one more copy of each linear weight in host memory.
-In bfloat16, oneDNN runs on AMX tiles where the CPU has them (Sapphire Rapids and later) and
-`F.linear` reorders the weight on every call: the packed weight was 1.2-2x faster from 1 to 256
-rows and level at 1024 on SmolLM2's shapes (2 cores with AMX), so bfloat16 always takes it.
-On a CPU without the instructions oneDNN's bfloat16 linear needs (AVX-512 BW/VL/DQ or
-AVX-NE-CONVERT: an AVX2-only part), bfloat16 weights stay unpacked and take `F.linear`.
-MESHSERVE_DISABLE_CPU_KERNELS=1 turns it off.
+oneDNN reads a weight packed once into its own blocked layout. From a few hundred rows on (prefill
+chunks) MKL amortises its packing and is as fast, so those keep `F.linear`; below a few rows
+oneDNN's per-call setup outweighs what it saves on a decoder layer (not on an LM head, tens of
+times larger). The packed copy costs one more copy of each linear weight in host memory.
+In bfloat16, `F.linear` reorders the weight on every call and oneDNN runs on AMX tiles where the
+CPU has them, so bfloat16 always takes the packed weight. On a CPU without the instructions
+oneDNN's bfloat16 linear needs (AVX-512 BW/VL/DQ or AVX-NE-CONVERT: an AVX2-only part), bfloat16
+weights stay unpacked and take `F.linear`. MESHSERVE_DISABLE_CPU_KERNELS=1 turns packing off.
+The crossovers below were measured on SmolLM2's shapes (docs/performance.md).
 
-oneDNN builds (and JIT-compiles) a primitive for every row count it meets: 3-5 ms per weight shape
-the first time, 15-25 ms on a step of SmolLM2, and a served step's row count (prompt chunk plus
-running decodes) is new every few steps. In bfloat16 the rows are padded to a multiple of 16 (one
-AMX tile), which leaves a few dozen row counts in use, and the runner builds those at start-up
-(warm_up_packed). Warm, the padding costs nothing measurable: an AMX matmul works in 16-row tiles,
-and some odd row counts hit slower blockings (296 rows of SmolLM2's layer took 1.6x 304 rows').
+oneDNN builds (and JIT-compiles) a primitive for every row count it meets, milliseconds per weight
+shape the first time, and a served step's row count (prompt chunk plus running decodes) is new
+every few steps. In bfloat16 the rows are padded to a multiple of 16 (one AMX tile), which leaves a
+few dozen row counts in use, and the runner builds those at start-up (warm_up_packed). An AMX
+matmul works in 16-row tiles anyway, so the padding costs nothing once warm.
 """
 from __future__ import annotations
 
@@ -30,10 +28,9 @@ import torch.nn.functional as F
 
 from meshserve.utils.cpuinfo import onednn_packs_bf16
 
-PACKED_MAX_ROWS = 128  # crossover measured on SmolLM2's shapes, 2 AVX2 cores: ~150-250 rows
-# Below this many rows oneDNN's setup per call (~20 us) outweighs what it saves on a decoder layer's
-# weights: MKL ran SmolLM2's layers ~10% faster at 1-3 rows, oneDNN 1.3x faster from 4 (2 AVX-512
-# cores). An LM head, tens of times larger, gains from one row on (PACKED_MIN_ROWS_LM_HEAD).
+PACKED_MAX_ROWS = 128  # the crossover with MKL, measured between 150 and 250 rows
+# Below this many rows oneDNN's setup per call outweighs what it saves on a decoder layer's weights;
+# an LM head, tens of times larger, gains from one row on (PACKED_MIN_ROWS_LM_HEAD).
 PACKED_MIN_ROWS = 4
 PACKED_MIN_ROWS_LM_HEAD = 1
 _ANY_ROWS = (1, 1 << 62)

@@ -2,8 +2,8 @@
 
 One kernel program handles the query heads that share one KV head, for a tile of a sequence's
 query tokens: its rows are (token, head-in-group) pairs, so every K/V row it loads serves the whole
-group. The runner builds the tile list on the host while it packs a step, and the CUDA graph code
-needs the decode split count without Triton either, hence this module.
+group. The Triton backend builds the tile list on the host with a step's metadata, which needs no
+Triton, hence this module.
 """
 from __future__ import annotations
 

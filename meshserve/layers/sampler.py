@@ -3,9 +3,9 @@
 Rows with a seed draw from their own generator, so a seeded request samples the same tokens
 whatever else shares its batch; other rows share the engine's generator.
 Sampling inverts the CDF: one uniform u per row, and the first token whose cumulative probability
-exceeds u x the total. That is exact, and it costs a cumulative sum where drawing noise for the
-whole vocabulary (the exponential race) cost ~1.3 ms a row on a CPU, more than the sampled row's
-share of the LM head.
+exceeds u x the total. That is exact, and it costs one cumulative sum per row, where drawing noise
+for the whole vocabulary (the exponential race) costs a random number per vocabulary entry: on a
+CPU more than the row's share of the LM head.
 
 On a GPU a step must not wait on the device before its tokens are read: decisions are taken from
 the request parameters on the host, per-row parameters and penalty indices travel in one copy
@@ -121,7 +121,7 @@ class Sampler:
               seed_keys: list[int]) -> torch.Tensor:
         """Per row, the first token whose cumulative probability exceeds u x the row's total: a
         token of probability 0 is never drawn (its cumulative sum equals its predecessor's)."""
-        cdf = probs.double().cumsum_(dim=-1)  # in place: 2x faster than a new tensor on a CPU
+        cdf = probs.double().cumsum_(dim=-1)  # in place: no second vocabulary-wide tensor
         u = self._uniforms(probs.shape[0], seq_ids, params, seed_keys)
         picked = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(1)
         return picked.clamp_(max=probs.shape[1] - 1)

@@ -13,8 +13,9 @@ A program's rows are (query token, head of the KV group) pairs: each K/V row loa
 whole group (grouped-query attention without repeating K/V). Softmax runs online in float32 with
 exp2. Keys are taken `block_n` at a time with a per-key block-table lookup, so any block size works.
 
-Imported only when used (on CUDA, or by the tests, which run the same kernels on CPU tensors in
-the Triton interpreter, TRITON_INTERPRET=1).
+Imported only when the Triton attention backend is made (layers/attention/triton_backend.py: on
+CUDA, or by the tests, which run the same kernels on CPU tensors in the Triton interpreter,
+TRITON_INTERPRET=1).
 """
 from __future__ import annotations
 

@@ -5,8 +5,9 @@ layers that is 10-15 ms of every step, about a fifth of a decode step of the emb
 cores. The C++ loop runs the same operators in the same order, so its output is bit-identical
 (tests/engine/test_cpu_decoder_stack.py compares the two). It takes Llama-family layers with the
 dense SwiGLU MLP (bias on QKV allowed: Qwen2) on one tensor-parallel rank, float32 or bfloat16 on
-CPU with the CPU kernels built; anything else (MoE, Qwen3's query/key norm, TP all-reduces, CUDA) keeps the
-module path. MESHSERVE_DISABLE_CPU_KERNELS=1 turns it off with the other kernels.
+CPU with the CPU kernels built, for steps of the CPU attention backend; anything else (MoE, Qwen3's
+query/key norm, TP all-reduces, CUDA, another attention backend) keeps the module path.
+MESHSERVE_DISABLE_CPU_KERNELS=1 turns it off with the other kernels.
 """
 from __future__ import annotations
 
@@ -14,7 +15,9 @@ import torch
 from torch import nn
 
 from meshserve.layers import cpu_gemm, cpu_kernels
-from meshserve.layers.attention import AttentionMetadata, fresh_runs
+from meshserve.layers.attention import AttentionMetadata
+from meshserve.layers.attention.cpu import CPUAttentionMetadata
+from meshserve.layers.attention.torch_ref import fresh_runs
 
 _NONE = torch.empty(0)
 
@@ -52,10 +55,11 @@ class CPUDecoderStack:
         return cls(layers)
 
     def accepts(self, h: torch.Tensor, kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> bool:
-        return not meta.use_triton and h.dim() == 2 and cpu_kernels.usable(h, kv_caches[0])
+        """Only steps the CPU attention backend built: the loop repeats that backend's attention."""
+        return isinstance(meta, CPUAttentionMetadata) and h.dim() == 2 and cpu_kernels.usable(h, kv_caches[0])
 
     def __call__(self, positions: torch.Tensor, h: torch.Tensor, kv_caches: list[torch.Tensor],
-                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+                 meta: CPUAttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """(h, residual) after the last layer, as the module loop leaves them."""
         groups, tables = [], []
         for run in fresh_runs(meta.prefills):

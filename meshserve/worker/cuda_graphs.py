@@ -11,9 +11,10 @@ A graph replays fixed device addresses, so it reads its inputs from persistent b
 Padding rows must not touch live cache blocks: they write their K/V into a spare block allocated
 past the ones the scheduler hands out, and attend to that block alone.
 
-Prefill and mixed steps, batches above the largest size, and tensor-parallel ranks (whose
-collectives are timed with events, which a capture cannot record) run eagerly, as does everything
-with `enforce_eager`. Only the sizes, the padding and the buffers are logic of our own; they are
+Prefill and mixed steps, batches above the largest size, tensor-parallel ranks (whose
+collectives are timed with events, which a capture cannot record) and attention backends whose
+metadata a capture cannot hold (all but Triton's) run eagerly, as does everything with
+`enforce_eager`. Only the sizes, the padding and the buffers are logic of our own; they are
 tested on CPU with a stand-in for the capture.
 """
 from __future__ import annotations
@@ -24,8 +25,7 @@ from typing import Protocol
 
 import torch
 
-from meshserve.layers.attention import AttentionMetadata
-from meshserve.layers.paged_launch import decode_splits
+from meshserve.layers.attention import AttentionBackend
 from meshserve.worker.step_packing import PackedStep
 
 MAX_CAPTURE_SIZE = 512
@@ -46,14 +46,15 @@ def padded_batch_size(sizes: list[int], batch: int) -> int | None:
     return next((s for s in sizes if s >= batch), None)
 
 
-def graphs_disabled_reason(device_type: str, enforce_eager: bool, use_triton: bool, tp_size: int) -> str | None:
+def graphs_disabled_reason(device_type: str, enforce_eager: bool, backend: AttentionBackend,
+                           tp_size: int) -> str | None:
     """Why decode steps run eagerly, or None when they replay CUDA graphs."""
     if device_type != "cuda":
         return "not a CUDA device"
     if enforce_eager:
         return "enforce_eager is set"
-    if not use_triton:
-        return "the Triton attention kernels are not available"
+    if not backend.supports_cuda_graphs:
+        return f"the {backend.name} attention backend does not support CUDA graphs"
     if tp_size > 1:
         return "tensor parallelism: the all-reduces are timed with CUDA events, which a graph capture cannot record"
     return None
@@ -99,12 +100,10 @@ class DecodeGraphInputs:
     def _staged(self, values: list[list[int]]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, pin_memory=self.device.type == "cuda")
 
-    def views(self, batch: int, kv_heads: int):
+    def views(self, batch: int, backend: AttentionBackend):
         """(ids, positions, metadata, hidden) over the first `batch` rows, as a graph captures them."""
         ids, positions, slots, lens = self.scalars[:, :batch]
-        meta = AttentionMetadata(slots, [], 0, decode_block_tables=self.block_tables[:batch],
-                                 decode_context_lens=lens, use_triton=True,
-                                 decode_splits=decode_splits(batch, kv_heads))
+        meta = backend.decode_graph_metadata(slots, self.block_tables[:batch], lens)
         return ids, positions, meta, None if self.hidden is None else self.hidden[:batch]
 
 
@@ -135,8 +134,8 @@ class DecodeGraphs:
     """One captured forward pass per batch size; `run` replays the one that fits a decode step."""
 
     def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], inputs: DecodeGraphInputs,
-                 sizes: list[int], kv_heads: int, new_capture: Callable[[], GraphCapture] | None = None):
-        self.model, self.kv_caches, self.inputs, self.sizes, self.kv_heads = model, kv_caches, inputs, sizes, kv_heads
+                 sizes: list[int], backend: AttentionBackend, new_capture: Callable[[], GraphCapture] | None = None):
+        self.model, self.kv_caches, self.inputs, self.sizes, self.backend = model, kv_caches, inputs, sizes, backend
         if new_capture is None:
             pool = torch.cuda.graph_pool_handle()
             new_capture = lambda: CudaGraphCapture(pool)  # noqa: E731
@@ -146,7 +145,7 @@ class DecodeGraphs:
     @torch.inference_mode()
     def capture(self) -> None:
         for size in sorted(self.sizes, reverse=True):  # largest first: smaller ones fit in its memory
-            ids, positions, meta, hidden = self.inputs.views(size, self.kv_heads)
+            ids, positions, meta, hidden = self.inputs.views(size, self.backend)
             graph = self._new_capture()
             out = graph.capture(partial(self.model, ids, positions, self.kv_caches, meta, hidden=hidden))
             self._graphs[size] = (graph, out)

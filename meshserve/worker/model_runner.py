@@ -1,11 +1,11 @@
 """ModelRunner: owns one rank's model shard and KV cache; turns a step's sequences into tensors,
 runs the forward pass and (on the last pipeline stage's first TP rank) samples.
 
-On CUDA it also sizes the KV cache from a profile of the worst steps (memory_budget.py), uses the
-Triton attention kernels, and replays decode steps from CUDA graphs (cuda_graphs.py)."""
+Attention runs on the backend chosen for the device (layers/attention/registry.py). On CUDA the
+runner also sizes the KV cache from a profile of the worst steps (memory_budget.py) and, where the
+backend allows, replays decode steps from CUDA graphs (cuda_graphs.py)."""
 from __future__ import annotations
 
-import importlib.util
 import logging
 import time
 
@@ -15,6 +15,7 @@ from meshserve.config import CPU_DEFAULT_KV_BYTES, EngineConfig
 from meshserve.distributed.parallel_state import get_parallel_state
 from meshserve.worker.step import StepInput
 from meshserve.layers import cpu_kernels
+from meshserve.layers.attention import AttentionSpec, select_backend
 from meshserve.layers.cpu_gemm import prepack_model, warm_up_packed
 from meshserve.layers.host_to_device import to_device
 from meshserve.layers.moe import SparseMoeBlock
@@ -29,7 +30,7 @@ from meshserve.worker.memory_budget import (
     plan_kv_cache,
     profile_steps,
 )
-from meshserve.worker.step_packing import PackedStep, pack_step, torch_inputs, triton_inputs
+from meshserve.worker.step_packing import PackedStep, pack_step
 
 logger = logging.getLogger(__name__)
 
@@ -56,10 +57,6 @@ def _build_model(cls, cfg, split, device: torch.device, dtype: torch.dtype, dumm
             return cls(cfg, split)
     finally:
         torch.set_default_dtype(previous)
-
-
-def _triton_available() -> bool:
-    return importlib.util.find_spec("triton") is not None
 
 
 class ModelRunner:
@@ -93,12 +90,11 @@ class ModelRunner:
         self.sampler = Sampler(config.seed, self.device) if self.ps.is_last_stage and self.ps.tp_rank == 0 else None
         attn = next(iter(self.model.layers.values())).self_attn
         self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
-        self.group = attn.num_heads // attn.num_kv_heads
         self.kv_caches: list[torch.Tensor] = []
-        self.use_triton = self.device.type == "cuda" and _triton_available()
-        if self.device.type == "cuda" and not self.use_triton:
-            logger.warning("Triton is not installed: CUDA attention gathers K/V for every step (pip install triton)")
-        no_graphs = graphs_disabled_reason(self.device.type, config.enforce_eager, self.use_triton, self.ps.tp_size)
+        self.attn_backend = select_backend(self.device, AttentionSpec(attn.num_heads, attn.num_kv_heads,
+                                                                      self.block_size))
+        no_graphs = graphs_disabled_reason(self.device.type, config.enforce_eager, self.attn_backend,
+                                           self.ps.tp_size)
         max_decode_batch = min(config.max_num_seqs, config.batched_token_budget(max_model_len))
         self.graph_sizes = capture_sizes(max_decode_batch) if no_graphs is None else []
         if self.device.type == "cuda" and no_graphs is not None and self.ps.rank == 0:
@@ -218,7 +214,7 @@ class ModelRunner:
         hidden_size = None if self.ps.is_first_stage else self.model.cfg.hidden_size
         inputs = DecodeGraphInputs(max(self.graph_sizes), -(-self.max_model_len // self.block_size), pad_block,
                                    self.block_size, self.device, hidden_size, self.dtype)
-        self.graphs = DecodeGraphs(self.model, self.kv_caches, inputs, self.graph_sizes, self.num_kv_heads)
+        self.graphs = DecodeGraphs(self.model, self.kv_caches, inputs, self.graph_sizes, self.attn_backend)
         self.graphs.capture()
         torch.cuda.synchronize(self.device)
         used = free_before - torch.cuda.mem_get_info(self.device)[0]
@@ -228,10 +224,7 @@ class ModelRunner:
 
     # ---- one step ----------------------------------------------------------------------
     def _run_eager(self, packed: PackedStep, hidden: torch.Tensor | None, kv_caches: list[torch.Tensor]):
-        if self.use_triton:
-            ids, positions, meta = triton_inputs(packed, self.group, self.num_kv_heads, self.device)
-        else:
-            ids, positions, meta = torch_inputs(packed, self.block_size, self.device)
+        ids, positions, meta = self.attn_backend.build_inputs(packed)
         return self.model(ids, positions, kv_caches, meta, hidden=hidden)
 
     @torch.inference_mode()

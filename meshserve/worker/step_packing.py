@@ -1,21 +1,15 @@
-"""A step's sequences packed into one flat token batch, then into the tensors each attention path takes.
+"""A step's sequences packed into one flat token batch, which every attention backend takes.
 
 `pack_step` orders the sequences as the kernels want them (prefills first, then decodes) and
 works out on the host, as plain lists, everything the device needs: token ids, positions, the
-cache slot of every new token, what each sequence reads, and the rows that sample.
-`torch_inputs` turns that into the PyTorch path's metadata (CPU, and CUDA without Triton);
-`triton_inputs` into the Triton kernels' metadata, all of it in one host-to-device copy.
+cache slot of every new token, what each sequence reads, and the rows that sample. Each backend
+turns that into its own tensors (AttentionBackend.build_inputs, layers/attention/).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
-
 from meshserve.worker.step import StepInput
-from meshserve.layers.attention import AttentionMetadata, PrefillLaunch, PrefillSeq
-from meshserve.layers.host_to_device import arrays_to_device, to_device
-from meshserve.layers.paged_launch import decode_splits, prefill_tile, query_tiles
 
 
 @dataclass
@@ -75,55 +69,3 @@ def pack_step(step: StepInput, block_size: int) -> PackedStep:
         last_row[s.seq_id] = out.num_tokens - 1
     out.sample_rows = [last_row[s.seq_id] for s in step.seqs if s.sample]
     return out
-
-
-def _padded(tables: list[list[int]], fill: int = 0) -> tuple[list[list[int]], int]:
-    width = max(len(t) for t in tables)
-    return [t + [fill] * (width - len(t)) for t in tables], width
-
-
-def torch_inputs(packed: PackedStep, block_size: int, device: torch.device):
-    """(input ids, positions, metadata) for the PyTorch attention path."""
-    long = torch.long
-    prefills = [PrefillSeq(p.q_start, p.q_end, p.num_cached,
-                           to_device(p.block_table, long, device) if p.num_cached > 0 else None)
-                for p in packed.prefills]
-    meta = AttentionMetadata(to_device(packed.slot_mapping, long, device), prefills, packed.num_prefill_tokens)
-    if packed.decode_context_lens:
-        tables, width = _padded(packed.decode_block_tables)
-        lens = to_device(packed.decode_context_lens, long, device)
-        meta.decode_block_tables = to_device(tables, long, device)
-        meta.decode_mask = (torch.arange(width * block_size, device=device)[None, :] < lens[:, None])[:, None, None, :]
-        meta.decode_context_lens = lens
-    return to_device(packed.input_ids, long, device), to_device(packed.positions, long, device), meta
-
-
-def triton_inputs(packed: PackedStep, group: int, kv_heads: int, device: torch.device):
-    """(input ids, positions, metadata) for the Triton kernels; every integer of the step goes to
-    the device in one copy."""
-    arrays = [packed.input_ids, packed.positions, packed.slot_mapping]
-    if packed.prefills:
-        q_lens = [p.q_end - p.q_start for p in packed.prefills]
-        tile_seq, tile_start = query_tiles(q_lens, prefill_tile(group).block_q)
-        tables, width = _padded([p.block_table for p in packed.prefills])
-        arrays += [[p.q_start for p in packed.prefills] + [packed.prefills[-1].q_end],
-                   [p.num_cached + n for p, n in zip(packed.prefills, q_lens)],
-                   [b for t in tables for b in t], tile_seq, tile_start]
-    if packed.decode_context_lens:
-        dec_tables, dec_width = _padded(packed.decode_block_tables)
-        arrays += [packed.decode_context_lens, [b for t in dec_tables for b in t]]
-    tensors = arrays_to_device(arrays, torch.long, device)
-    ids, positions, slots = tensors[:3]
-    meta = AttentionMetadata(slots, [], packed.num_prefill_tokens, use_triton=True)
-    rest = tensors[3:]
-    if packed.prefills:
-        starts, lens, flat_tables, tile_seq_t, tile_start_t = rest[:5]
-        rest = rest[5:]
-        meta.prefill_launch = PrefillLaunch(starts, lens, flat_tables.view(len(packed.prefills), width),
-                                            tile_seq_t, tile_start_t)
-    if packed.decode_context_lens:
-        lens, flat_tables = rest
-        meta.decode_context_lens = lens
-        meta.decode_block_tables = flat_tables.view(len(lens), dec_width)
-        meta.decode_splits = decode_splits(len(lens), kv_heads, max(packed.decode_context_lens))
-    return ids, positions, meta

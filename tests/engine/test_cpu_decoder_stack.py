@@ -1,16 +1,17 @@
 """The C++ decoder-layer loop (models/cpu_decoder_stack.py) computes bit for bit what the module
 path computes, for every kind of step the scheduler makes: fresh prompts (equal lengths batched
 into one attention call, and not), a chunk after cached tokens, decodes, and all of them in one
-step; and the layers it cannot run keep the module path."""
+step; and the layers it cannot run, and steps of other attention backends, keep the module path."""
 import pytest
 import torch
 from tiny_model import tiny_runner
 
 from meshserve.worker.step import SeqStep, StepInput
 from meshserve.layers import cpu_kernels
+from meshserve.layers.attention import create_backend
 from meshserve.models.cpu_decoder_stack import CPUDecoderStack
 from meshserve.models.llama import LlamaAttention, LlamaMLP
-from meshserve.worker.step_packing import pack_step, torch_inputs
+from meshserve.worker.step_packing import pack_step
 
 BLOCK = 8
 
@@ -41,6 +42,7 @@ def test_stack_equals_module_path_bit_for_bit(tmp_path, config, dtype):
     model = runner.model
     stack = model.cpu_stack
     assert stack is not None, f"the tiny Llama on CPU {dtype} must take the C++ loop"
+    assert runner.attn_backend.name == "cpu"
     if config.get("attention_bias"):
         assert all(layer.self_attn.qkv_proj.bias is not None for layer in model.layers.values())
     shape = (2, 8, BLOCK, runner.num_kv_heads, runner.head_dim)
@@ -48,7 +50,7 @@ def test_stack_equals_module_path_bit_for_bit(tmp_path, config, dtype):
     plain_caches = [c.clone() for c in fast_caches]
     with torch.inference_mode():
         for step in _steps():
-            ids, positions, meta = torch_inputs(pack_step(step, BLOCK), BLOCK, torch.device("cpu"))
+            ids, positions, meta = runner.attn_backend.build_inputs(pack_step(step, BLOCK))
             model.cpu_stack = stack
             fast = model(ids, positions, fast_caches, meta)
             model.cpu_stack = None
@@ -68,6 +70,16 @@ def test_layers_it_cannot_run_keep_the_module_path(tmp_path):
     assert CPUDecoderStack.build(layers, 1, LlamaAttention, torch.nn.Module) is None  # an MLP it does not know
 
 
+def test_only_the_cpu_backends_steps_take_the_stack(tmp_path):
+    runner = tiny_runner(tmp_path, block_size=BLOCK)
+    stack, packed = runner.model.cpu_stack, pack_step(_steps()[1], BLOCK)
+    caches = [torch.zeros(2, 8, BLOCK, runner.num_kv_heads, runner.head_dim) for _ in runner.model.layers]
+    with torch.inference_mode():
+        for name, accepted in (("cpu", True), ("torch", False)):
+            ids, _, meta = create_backend(name, runner.attn_backend.spec, runner.device).build_inputs(packed)
+            assert stack.accepts(runner.model.embed_tokens(ids), caches, meta) is accepted
+
+
 def test_disabled_with_the_cpu_kernels(tmp_path, monkeypatch):
     monkeypatch.setenv("MESHSERVE_DISABLE_CPU_KERNELS", "1")
     assert tiny_runner(tmp_path, block_size=BLOCK).model.cpu_stack is None
@@ -81,7 +93,7 @@ def test_repacking_after_a_weight_change_reaches_the_stack(tmp_path):
     for layer in model.layers.values():
         layer.mlp.gate_up_proj.weight.data.mul_(3.0)
     prepack_model(model)  # new packed copies: the stack must not keep the old ones
-    ids, positions, meta = torch_inputs(pack_step(_steps()[1], BLOCK), BLOCK, torch.device("cpu"))  # 8 rows: packed
+    ids, positions, meta = runner.attn_backend.build_inputs(pack_step(_steps()[1], BLOCK))  # 8 rows: packed
     shape = (2, 8, BLOCK, runner.num_kv_heads, runner.head_dim)
     outs = []
     with torch.inference_mode():

@@ -1,7 +1,8 @@
 """The CPU kernels (paged decode attention, fused RMSNorm, SiLU-and-multiply, rotary) and the
-pre-packed small-batch matmuls equal their PyTorch formulas; the callers fall back to PyTorch when
-the kernels are disabled, unavailable or given tensors they do not handle; and an engine with all
-of them on generates what one with all of them off generates."""
+pre-packed small-batch matmuls equal their PyTorch formulas; the callers (the CPU attention
+backend among them, against the PyTorch reference backend) fall back to PyTorch when the kernels
+are disabled, unavailable or given tensors they do not handle; and an engine with all of them on
+generates what one with all of them off generates."""
 import contextlib
 import logging
 
@@ -10,11 +11,14 @@ import torch
 import torch.nn.functional as F
 
 from meshserve.layers import cpu_kernels
-from meshserve.layers.attention import AttentionMetadata, PagedAttention
+from meshserve.layers.attention import AttentionSpec, create_backend
+from meshserve.layers.attention.torch_ref import gathered_decode
 from meshserve.utils.cpuinfo import onednn_packs_bf16
+from meshserve.worker.step_packing import PackedStep
 
 BLOCK = 16
 HEAD_DIM = 64
+CPU = torch.device("cpu")
 
 
 def _case(lens, heads, kv_heads, table_kind, seed=0, head_dim=HEAD_DIM):
@@ -35,8 +39,22 @@ def _case(lens, heads, kv_heads, table_kind, seed=0, head_dim=HEAD_DIM):
     lens_t = torch.tensor(lens)
     mask = (torch.arange(width * BLOCK)[None, :] < lens_t[:, None])[:, None, None, :]
     q = torch.randn(len(lens), heads, head_dim, generator=g)
-    meta = AttentionMetadata(torch.empty(0, dtype=torch.long), [], 0, tables, mask, lens_t)
-    return q, k_cache, v_cache, meta, lens_t
+    return q, k_cache, v_cache, tables, mask, lens_t
+
+
+def _decode_through(name, q, k_cache, v_cache, tables, lens, table_dtype=torch.long):
+    """The decode step of these sequences through one attention backend from the registry. Each new
+    token's K/V is what the cache already holds at its slot, so the write leaves the cache as it is."""
+    kvh, d = k_cache.shape[2], k_cache.shape[3]
+    rows = [t[:-(-n // BLOCK)] for t, n in zip(tables.tolist(), lens.tolist())]
+    slots = [t[(n - 1) // BLOCK] * BLOCK + (n - 1) % BLOCK for t, n in zip(rows, lens.tolist())]
+    packed = PackedStep(input_ids=[0] * len(rows), positions=[n - 1 for n in lens.tolist()], slot_mapping=slots,
+                        decode_context_lens=lens.tolist(), decode_block_tables=rows)
+    backend = create_backend(name, AttentionSpec(q.shape[1], kvh, BLOCK), CPU)
+    _, _, meta = backend.build_inputs(packed)
+    meta.decode_block_tables = meta.decode_block_tables.to(table_dtype)
+    k, v = k_cache.view(-1, kvh, d)[slots], v_cache.view(-1, kvh, d)[slots]
+    return backend.forward(q, k, v, k_cache, v_cache, meta)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -59,42 +77,39 @@ def isa(request):
 @pytest.mark.parametrize("head_dim", [64, 128, 72, 76])
 def test_kernel_equals_pytorch_path(heads, kv_heads, table_kind, head_dim):
     lens = [1, 2, 15, 16, 17, 32, 33, 47, 100, 321]  # single token, either side of block boundaries, long
-    q, k_cache, v_cache, meta, lens_t = _case(lens, heads, kv_heads, table_kind, heads + kv_heads, head_dim)
-    attn = PagedAttention(heads, kv_heads, head_dim)
-    expected = attn._decode_torch(q, k_cache, v_cache, meta)
-    got = cpu_kernels.paged_decode(q, k_cache, v_cache, meta.decode_block_tables, lens_t, head_dim ** -0.5)
+    q, k_cache, v_cache, tables, mask, lens_t = _case(lens, heads, kv_heads, table_kind, heads + kv_heads, head_dim)
+    expected = gathered_decode(q, k_cache, v_cache, tables, mask)
+    got = cpu_kernels.paged_decode(q, k_cache, v_cache, tables, lens_t, head_dim ** -0.5)
     assert got.shape == expected.shape
     assert (got - expected).abs().max().item() < 1e-5
     # A single-token context attends to exactly its own V row.
-    first_block = meta.decode_block_tables[0, 0]
+    first_block = tables[0, 0]
     torch.testing.assert_close(got[0], v_cache[first_block, 0].repeat_interleave(heads // kv_heads, dim=0))
 
 
-def test_decode_hook_uses_kernel_and_accepts_strided_inputs(monkeypatch):
-    q, k_cache, v_cache, meta, _ = _case([5, 40, 200], 9, 3, "scattered")
-    attn = PagedAttention(9, 3, HEAD_DIM)
-    expected = attn._decode_torch(q, k_cache, v_cache, meta)
+def test_cpu_backend_decodes_with_the_kernel_and_accepts_strided_inputs(monkeypatch):
+    q, k_cache, v_cache, tables, _, lens = _case([5, 40, 200], 9, 3, "scattered")
+    expected = _decode_through("torch", q, k_cache, v_cache, tables, lens)
     calls = []
     real = cpu_kernels.paged_decode
     monkeypatch.setattr(cpu_kernels, "paged_decode", lambda *a: calls.append(1) or real(*a))
     wide = torch.cat([torch.zeros_like(q), q], dim=-1)[..., HEAD_DIM:]  # non-contiguous view, as after a split
-    meta.decode_block_tables = meta.decode_block_tables.to(torch.int32)
-    got = attn._decode(wide, k_cache, v_cache, meta)
+    got = _decode_through("cpu", wide, k_cache, v_cache, tables, lens, table_dtype=torch.int32)
     assert calls == [1]
     assert (got - expected).abs().max().item() < 1e-5
 
 
 def test_env_var_forces_pytorch_path(monkeypatch):
-    q, k_cache, v_cache, meta, _ = _case([3, 30], 9, 3, "padded")
+    q, k_cache, v_cache, tables, _, lens = _case([3, 30], 9, 3, "padded")
     monkeypatch.setenv("MESHSERVE_DISABLE_CPU_KERNELS", "1")
     monkeypatch.setattr(cpu_kernels, "paged_decode", lambda *a: pytest.fail("kernel used while disabled"))
-    attn = PagedAttention(9, 3, HEAD_DIM)
     assert not cpu_kernels.usable(q, k_cache)
-    torch.testing.assert_close(attn._decode(q, k_cache, v_cache, meta), attn._decode_torch(q, k_cache, v_cache, meta))
+    torch.testing.assert_close(_decode_through("cpu", q, k_cache, v_cache, tables, lens),
+                               _decode_through("torch", q, k_cache, v_cache, tables, lens))
 
 
 def test_other_dtypes_keep_pytorch_path():
-    q, k_cache, _, _, _ = _case([3], 9, 3, "padded")
+    q, k_cache, *_ = _case([3], 9, 3, "padded")
     assert cpu_kernels.usable(q, k_cache)
     assert cpu_kernels.usable(q.bfloat16(), k_cache.bfloat16())
     assert not cpu_kernels.usable(q.double(), k_cache.double())
@@ -116,11 +131,10 @@ def _bf16_ulps(got: torch.Tensor, expected: torch.Tensor) -> float:
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 64), (16, 2, 64), (8, 2, 128), (4, 4, 76)])
 def test_bf16_paged_decode_is_the_float32_attention_of_the_bf16_values(heads, kv_heads, head_dim, isa):
     lens = [1, 15, 16, 17, 100, 321]
-    q, k_cache, v_cache, meta, lens_t = _case(lens, heads, kv_heads, "scattered", 5, head_dim)
+    q, k_cache, v_cache, tables, mask, lens_t = _case(lens, heads, kv_heads, "scattered", 5, head_dim)
     q, k_cache, v_cache = q.bfloat16(), k_cache.bfloat16(), v_cache.bfloat16()
-    attn = PagedAttention(heads, kv_heads, head_dim)
-    expected = attn._decode_torch(q.float(), k_cache.float(), v_cache.float(), meta)
-    got = cpu_kernels.paged_decode(q, k_cache, v_cache, meta.decode_block_tables, lens_t, head_dim ** -0.5)
+    expected = gathered_decode(q.float(), k_cache.float(), v_cache.float(), tables, mask)
+    got = cpu_kernels.paged_decode(q, k_cache, v_cache, tables, lens_t, head_dim ** -0.5)
     assert got.dtype == torch.bfloat16 and got.shape == expected.shape
     assert _bf16_ulps(got, expected) <= 1.0
 
@@ -177,22 +191,21 @@ def test_failed_build_warns_once_and_falls_back(monkeypatch, caplog):
     monkeypatch.setattr(cpu_kernels, "_build", no_compiler)
     monkeypatch.setattr(cpu_kernels, "_module", None)
     monkeypatch.setattr(cpu_kernels, "_tried", False)
-    q, k_cache, v_cache, meta, _ = _case([3, 30], 9, 3, "padded")
-    attn = PagedAttention(9, 3, HEAD_DIM)
+    q, k_cache, v_cache, tables, _, lens = _case([3, 30], 9, 3, "padded")
     with caplog.at_level(logging.WARNING, logger=cpu_kernels.__name__):
-        out = attn._decode(q, k_cache, v_cache, meta)
-        attn._decode(q, k_cache, v_cache, meta)
-    torch.testing.assert_close(out, attn._decode_torch(q, k_cache, v_cache, meta))
+        out = _decode_through("cpu", q, k_cache, v_cache, tables, lens)
+        _decode_through("cpu", q, k_cache, v_cache, tables, lens)
+    torch.testing.assert_close(out, _decode_through("torch", q, k_cache, v_cache, tables, lens))
     warnings = [r for r in caplog.records if r.name == cpu_kernels.__name__]
     assert len(warnings) == 1 and "command not found" in warnings[0].getMessage()
 
 
 def test_out_of_range_inputs_raise_instead_of_reading_past_the_cache():
-    q, k_cache, v_cache, meta, lens = _case([20], 9, 3, "padded")
-    too_long = torch.tensor([meta.decode_block_tables.shape[1] * BLOCK + 1])
+    q, k_cache, v_cache, tables, _, lens = _case([20], 9, 3, "padded")
+    too_long = torch.tensor([tables.shape[1] * BLOCK + 1])
     with pytest.raises(RuntimeError, match="context length"):
-        cpu_kernels.paged_decode(q, k_cache, v_cache, meta.decode_block_tables, too_long, 0.125)
-    bad_table = meta.decode_block_tables.clone()
+        cpu_kernels.paged_decode(q, k_cache, v_cache, tables, too_long, 0.125)
+    bad_table = tables.clone()
     bad_table[0, 1] = k_cache.shape[0]
     with pytest.raises(RuntimeError, match="block id"):
         cpu_kernels.paged_decode(q, k_cache, v_cache, bad_table, lens, 0.125)

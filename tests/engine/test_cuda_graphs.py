@@ -9,6 +9,8 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are defined
 import torch  # noqa: E402
 from tiny_model import tiny_runner  # noqa: E402
 
+from meshserve.layers.attention import AttentionSpec, create_backend  # noqa: E402
+from meshserve.layers.attention.triton_backend import TritonAttentionMetadata  # noqa: E402
 from meshserve.worker.step import SeqStep, StepInput  # noqa: E402
 from meshserve.layers.cpu_gemm import PrepackedMatmul  # noqa: E402
 from meshserve.worker.cuda_graphs import (  # noqa: E402
@@ -21,6 +23,7 @@ from meshserve.worker.cuda_graphs import (  # noqa: E402
 from meshserve.worker.step_packing import pack_step  # noqa: E402
 
 BLOCK = 8
+CPU = torch.device("cpu")
 
 
 def test_capture_sizes_follow_the_decode_batch_limit():
@@ -40,11 +43,13 @@ def test_a_step_pads_up_to_the_smallest_size_that_holds_it():
 
 
 def test_when_graphs_are_used():
-    assert graphs_disabled_reason("cuda", False, True, 1) is None
-    assert "enforce_eager" in graphs_disabled_reason("cuda", True, True, 1)
-    assert "Triton" in graphs_disabled_reason("cuda", False, False, 1)
-    assert "tensor parallel" in graphs_disabled_reason("cuda", False, True, 2)
-    assert graphs_disabled_reason("cpu", False, True, 1) is not None
+    spec = AttentionSpec(4, 2, BLOCK)
+    triton, reference = create_backend("triton", spec, CPU), create_backend("torch", spec, CPU)
+    assert graphs_disabled_reason("cuda", False, triton, 1) is None
+    assert "enforce_eager" in graphs_disabled_reason("cuda", True, triton, 1)
+    assert "torch attention backend" in graphs_disabled_reason("cuda", False, reference, 1)
+    assert "tensor parallel" in graphs_disabled_reason("cuda", False, triton, 2)
+    assert graphs_disabled_reason("cpu", False, triton, 1) is not None
 
 
 def _decodes(contexts: list[int], first_block: int = 0) -> StepInput:
@@ -71,8 +76,10 @@ def test_refill_writes_the_step_then_padding_rows():
     assert inputs.block_tables[:2, 0].tolist() == [0, pad_block]
     # Columns past this step's width keep the wide step's blocks: unread, since lens bound every read.
     assert inputs.block_tables[0, 1:5].tolist() == [1, 2, 3, 4]
-    _, _, meta, hidden = inputs.views(2, kv_heads=2)
-    assert meta.use_triton and meta.num_prefill_tokens == 0 and hidden is None
+    backend = create_backend("triton", AttentionSpec(4, 2, BLOCK), CPU)
+    _, _, meta, hidden = inputs.views(2, backend)
+    assert isinstance(meta, TritonAttentionMetadata) and meta.backend is backend
+    assert meta.num_prefill_tokens == 0 and hidden is None
     assert meta.decode_block_tables.shape == (2, 6) and meta.decode_context_lens.tolist() == [3, 1]
 
 
@@ -95,7 +102,8 @@ def test_graph_replay_equals_an_eager_step(tmp_path, monkeypatch):
     # take over (none run on a GPU); one matmul path for every row count keeps padding exact.
     monkeypatch.setattr(PrepackedMatmul, "packed_min_rows", 1)
     runner = tiny_runner(tmp_path, block_size=BLOCK)
-    runner.use_triton = True  # what CUDA selects; the interpreter runs it here
+    # What CUDA selects; the interpreter runs it here.
+    backend = runner.attn_backend = create_backend("triton", runner.attn_backend.spec, runner.device)
     num_blocks, pad_block = 30, 30
     caches = [torch.zeros(2, num_blocks + 1, BLOCK, runner.num_kv_heads, runner.head_dim) for _ in range(2)]
     runner.kv_caches = caches
@@ -107,7 +115,7 @@ def test_graph_replay_equals_an_eager_step(tmp_path, monkeypatch):
     runner.forward(prefill)
 
     inputs = DecodeGraphInputs(4, -(-runner.max_model_len // BLOCK), pad_block, BLOCK, torch.device("cpu"))
-    graphs = DecodeGraphs(runner.model, caches, inputs, [1, 2, 4], runner.num_kv_heads, new_capture=RerunCapture)
+    graphs = DecodeGraphs(runner.model, caches, inputs, [1, 2, 4], backend, new_capture=RerunCapture)
     graphs.capture()
 
     for step in (_decodes(contexts), _decodes(contexts[:2])):  # padded to 4, then exactly 2
@@ -115,7 +123,8 @@ def test_graph_replay_equals_an_eager_step(tmp_path, monkeypatch):
         assert graphs.can_run(packed)
         eager_caches = [c.clone() for c in caches]
         with torch.inference_mode():
-            expected = runner._run_eager(packed, None, eager_caches)
+            ids, positions, meta = backend.build_inputs(packed)
+            expected = runner.model(ids, positions, eager_caches, meta)
             got = graphs.run(packed)
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
         for live, eager in zip(caches, eager_caches):

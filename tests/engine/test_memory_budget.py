@@ -8,6 +8,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from tiny_model import tiny_runner  # noqa: E402
 
+from meshserve.layers.attention import backend_names, create_backend  # noqa: E402
 from meshserve.sampling_params import MAX_LOGPROBS  # noqa: E402
 from meshserve.worker.memory_budget import (  # noqa: E402
     GIB,
@@ -76,10 +77,10 @@ def test_decode_step_is_a_full_batch_at_full_context():
     assert packed.is_decode_only and packed.decode_context_lens == [64] * 8 and not packed.sample_rows
 
 
-@pytest.mark.parametrize("use_triton", [False, True])
-def test_the_profile_steps_run_through_forward_and_sampling(tmp_path, use_triton, monkeypatch):
+@pytest.mark.parametrize("backend", backend_names())
+def test_the_profile_steps_run_through_forward_and_sampling(tmp_path, backend, monkeypatch):
     runner = tiny_runner(tmp_path, max_model_len=48, max_num_seqs=6, max_num_batched_tokens=40, block_size=16)
-    runner.use_triton = use_triton
+    runner.attn_backend = create_backend(backend, runner.attn_backend.spec, runner.device)
     calls = []
     sample = runner.sample
     monkeypatch.setattr(runner, "sample", lambda step, rows: calls.append(sample(step, rows)))

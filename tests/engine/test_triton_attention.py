@@ -1,7 +1,8 @@
-"""The Triton paged-attention kernels (run here by the Triton interpreter on CPU tensors) equal the
-PyTorch path on mixed steps: fresh prompts, a prefix hit, a chunk after earlier chunks and ragged
-decodes, under grouped-query attention and several block sizes; decode split-K equals no split;
-and the launch geometry always gives tl.dot tiles of at least 16."""
+"""The attention backends, each made from the registry and given the same packed step, compute the
+same attention: the Triton kernels (run here by the Triton interpreter on CPU tensors), the CPU
+backend and the PyTorch reference, on mixed steps (fresh prompts, a prefix hit, a chunk after
+earlier chunks and ragged decodes) under grouped-query attention and several block sizes; decode
+split-K equals no split; and the launch geometry always gives tl.dot tiles of at least 16."""
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are defined: CPU tensors, no GPU
@@ -11,8 +12,9 @@ import torch  # noqa: E402
 
 from meshserve.worker.step import SeqStep, StepInput  # noqa: E402
 from meshserve.layers import paged_launch  # noqa: E402
-from meshserve.layers.attention import PagedAttention  # noqa: E402
-from meshserve.worker.step_packing import pack_step, torch_inputs, triton_inputs  # noqa: E402
+from meshserve.layers.attention import AttentionSpec, create_backend  # noqa: E402
+from meshserve.layers.attention.triton_backend import TritonAttentionMetadata  # noqa: E402
+from meshserve.worker.step_packing import pack_step  # noqa: E402
 
 CPU = torch.device("cpu")
 
@@ -40,7 +42,20 @@ def _mixed_step(block_size: int, gen: torch.Generator) -> tuple[StepInput, int]:
     return StepInput(seqs), len(order)
 
 
-def _run_both(heads, kv_heads, head_dim, block_size, dtype=torch.float32, seed=0):
+def _run_backend(name, packed, spec, q, k, v, cache):
+    """(attention output, cache after the step) of one backend from the registry."""
+    backend = create_backend(name, spec, CPU)
+    _, _, meta = backend.build_inputs(packed)
+    assert type(meta) is backend.metadata_type and meta.backend is backend
+    if name == "triton":  # the step must exercise both launches
+        assert isinstance(meta, TritonAttentionMetadata)
+        assert meta.prefill_launch is not None and meta.decode_block_tables is not None
+    cache = cache.clone()
+    return backend.forward(q, k, v, cache[0], cache[1], meta), cache
+
+
+def _run_all(heads, kv_heads, head_dim, block_size, dtype=torch.float32, seed=0):
+    """{backend name: (output, cache)} on one mixed step; the references in float32."""
     gen = torch.Generator().manual_seed(seed)
     step, num_blocks = _mixed_step(block_size, gen)
     packed = pack_step(step, block_size)
@@ -49,34 +64,34 @@ def _run_both(heads, kv_heads, head_dim, block_size, dtype=torch.float32, seed=0
     k = torch.randn(t, kv_heads, head_dim, generator=gen).to(dtype)
     v = torch.randn(t, kv_heads, head_dim, generator=gen).to(dtype)
     cache = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)  # "cached" tokens
-    attn = PagedAttention(heads, kv_heads, head_dim)
-    ref_cache = cache.float().clone()
-    _, _, ref_meta = torch_inputs(packed, block_size, CPU)
-    expected = attn(q.float(), k.float(), v.float(), ref_cache[0], ref_cache[1], ref_meta)
-    tri_cache = cache.clone()
-    _, _, tri_meta = triton_inputs(packed, heads // kv_heads, kv_heads, CPU)
-    assert tri_meta.use_triton and tri_meta.prefill_launch is not None and tri_meta.decode_block_tables is not None
-    got = attn(q, k, v, tri_cache[0], tri_cache[1], tri_meta)
-    return expected, got, ref_cache, tri_cache
+    spec = AttentionSpec(heads, kv_heads, block_size)
+    fp32 = [x.float() for x in (q, k, v, cache)]
+    return {"torch": _run_backend("torch", packed, spec, *fp32), "cpu": _run_backend("cpu", packed, spec, *fp32),
+            "triton": _run_backend("triton", packed, spec, q, k, v, cache)}
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2), (9, 3)])  # GQA groups 1, 4 and 3 (padded to 4)
 @pytest.mark.parametrize("block_size", [16, 8, 5])  # 5: keys of one tile span several blocks unevenly
-def test_mixed_step_equals_the_pytorch_path(heads, kv_heads, block_size):
-    expected, got, ref_cache, tri_cache = _run_both(heads, kv_heads, 32, block_size, seed=heads + block_size)
-    torch.testing.assert_close(tri_cache, ref_cache, rtol=0, atol=0)  # the same K/V written to the same slots
-    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+def test_every_backend_computes_the_same_mixed_step(heads, kv_heads, block_size):
+    out = _run_all(heads, kv_heads, 32, block_size, seed=heads + block_size)
+    expected, ref_cache = out["torch"]
+    for name in ("cpu", "triton"):
+        got, cache = out[name]
+        torch.testing.assert_close(cache, ref_cache, rtol=0, atol=0)  # the same K/V written to the same slots
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
 def test_head_dim_that_is_not_a_power_of_two():
-    expected, got, _, _ = _run_both(4, 2, 40, 16)
-    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    out = _run_all(4, 2, 40, 16)
+    for name in ("cpu", "triton"):
+        torch.testing.assert_close(out[name][0], out["torch"][0], rtol=1e-5, atol=1e-5)
 
 
 def test_half_precision_cache():
-    expected, got, _, _ = _run_both(8, 2, 32, 16, dtype=torch.float16)
+    out = _run_all(8, 2, 32, 16, dtype=torch.float16)
+    got = out["triton"][0]
     assert got.dtype == torch.float16
-    torch.testing.assert_close(got.float(), expected, rtol=0, atol=5e-3)
+    torch.testing.assert_close(got.float(), out["torch"][0], rtol=0, atol=5e-3)
 
 
 def test_decode_split_k_equals_one_range():

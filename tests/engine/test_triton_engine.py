@@ -1,5 +1,6 @@
-"""The engine with the CUDA attention path (the Triton kernels, in the interpreter here) generates what
-the CPU path generates: chunked prefill, prefix-cache hits within and across steps, and decodes."""
+"""The engine generates the same tokens on every attention backend (the Triton kernels in the
+interpreter here, the PyTorch reference, the CPU backend with its C++ paths): chunked prefill,
+prefix-cache hits within and across steps, and decodes."""
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are defined: CPU tensors, no GPU
@@ -7,16 +8,17 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are defined
 from tiny_model import write_tiny_config  # noqa: E402
 
 from meshserve import LLM, SamplingParams  # noqa: E402
+from meshserve.layers.attention import create_backend  # noqa: E402
 from meshserve.layers.cpu_gemm import prepack_model  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
 
 
-def _generate(config_path, use_triton: bool) -> list[list[int]]:
+def _generate(config_path, backend: str) -> list[list[int]]:
     llm = LLM(str(config_path), load_format="dummy", dtype="float32", device="cpu", block_size=8,
               max_num_batched_tokens=40, max_model_len=128, kv_cache_memory_bytes=1 << 20, seed=3)
     runner = llm.engine.executor.runner
-    runner.use_triton = use_triton
+    runner.attn_backend = create_backend(backend, runner.attn_backend.spec, runner.device)
     # Random weights of std 0.02 make attention nearly uniform, which would hide a wrong kernel:
     # sharper queries and keys make every score matter.
     for layer in runner.model.layers.values():
@@ -29,8 +31,9 @@ def _generate(config_path, use_triton: bool) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in first + again]
 
 
-def test_triton_path_generates_what_the_cpu_path_generates(tmp_path):
+def test_every_backend_generates_what_the_cpu_backend_generates(tmp_path):
     config_path = write_tiny_config(tmp_path)
-    expected = _generate(config_path, use_triton=False)
-    assert _generate(config_path, use_triton=True) == expected
+    expected = _generate(config_path, "cpu")
+    assert _generate(config_path, "torch") == expected
+    assert _generate(config_path, "triton") == expected
     assert len(set(map(tuple, expected))) > 1  # the prompts lead to different continuations

@@ -1,0 +1,32 @@
+"""The CPU backend: the PyTorch reference, with decodes read in place by the C++ kernel
+(cpu_kernels.paged_decode) where it takes the tensors (float32 or bfloat16, kernels built).
+
+Its metadata has a type of its own because the C++ decoder stack (models/cpu_decoder_stack.py)
+runs whole layers, attention included, only for steps this backend built.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from meshserve.layers import cpu_kernels
+from meshserve.layers.attention.registry import register_backend
+from meshserve.layers.attention.torch_ref import TorchAttentionMetadata, TorchBackend
+
+
+@dataclass(kw_only=True)
+class CPUAttentionMetadata(TorchAttentionMetadata):
+    pass
+
+
+@register_backend
+class CPUBackend(TorchBackend):
+    name = "cpu"
+    metadata_type = CPUAttentionMetadata
+
+    def _decode(self, q, k_cache, v_cache, meta: TorchAttentionMetadata) -> torch.Tensor:
+        if cpu_kernels.usable(q, k_cache):  # reads K/V in place of the reference's gather
+            return cpu_kernels.paged_decode(q, k_cache, v_cache, meta.decode_block_tables,
+                                            meta.decode_context_lens, q.shape[-1] ** -0.5)
+        return super()._decode(q, k_cache, v_cache, meta)
