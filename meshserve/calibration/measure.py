@@ -286,7 +286,7 @@ def measure_allreduce(small: int = 4, large: int = 4 * 2**20, repeats: int = 20,
 
     keep_gloo_on_loopback()
     # fork starts in milliseconds (torch is already imported); spawn where fork is unsafe.
-    ctx = mp.get_context("fork" if sys.platform.startswith("linux") else "spawn")
+    ctx = mp.get_context("fork") if sys.platform.startswith("linux") else mp.get_context("spawn")
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         store = os.path.join(tmp, "store")

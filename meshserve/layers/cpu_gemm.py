@@ -67,6 +67,7 @@ def _enabled(weight: torch.Tensor) -> bool:
 class PrepackedMatmul:
     """Mixin for modules holding a `weight` [out, in] used as x @ weight^T."""
 
+    weight: torch.nn.Parameter  # set by the module's __init__
     _packed: torch.Tensor | None = None
     packed_min_rows = PACKED_MIN_ROWS
     rows_are_sequences = False  # one row per sequence (an LM head), not one per token
@@ -105,7 +106,9 @@ def warm_up_packed(model: torch.nn.Module, max_token_rows: int, max_sequence_row
     seen: set[tuple] = set()
     calls = 0
     for m in model.modules():
-        multiple = row_multiple(m.weight.dtype) if isinstance(m, PrepackedMatmul) else 1
+        if not isinstance(m, PrepackedMatmul):
+            continue
+        multiple = row_multiple(m.weight.dtype)
         if multiple == 1 or m._packed is None:
             continue
         bias = getattr(m, "bias", None) if m.bias_in_matmul else None

@@ -7,6 +7,7 @@ from torch import nn
 
 from meshserve.distributed.parallel_state import get_parallel_state
 from meshserve.layers.cpu_gemm import PACKED_MIN_ROWS_LM_HEAD, PrepackedMatmul
+from meshserve.layers.weight_loader import set_weight_loader
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -18,7 +19,7 @@ class VocabParallelEmbedding(nn.Module):
         self.per_rank = -(-vocab_size // self.tp_size)  # padded so every rank has the same rows
         self.start = self.tp_rank * self.per_rank
         self.weight = nn.Parameter(torch.zeros(self.per_rank, hidden), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader
+        set_weight_loader(self.weight, self.weight_loader)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         rows = max(0, min(self.per_rank, self.vocab_size - self.start))

@@ -1,7 +1,8 @@
 """Linear layers that shard themselves across tensor-parallel ranks at load time (Megatron style).
 
-Each parameter carries a `weight_loader(param, full_tensor, shard_id=None)` that copies this rank's
-slice of the full checkpoint tensor, so checkpoints are read whole and never pre-split.
+Each parameter carries a `weight_loader(param, full_tensor, shard_id=None)` (layers/weight_loader.py)
+that copies this rank's slice of the full checkpoint tensor, so checkpoints are read whole and never
+pre-split.
 """
 from __future__ import annotations
 
@@ -10,10 +11,7 @@ from torch import nn
 
 from meshserve.distributed.parallel_state import get_parallel_state
 from meshserve.layers.cpu_gemm import PrepackedMatmul
-
-
-def _plain_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
-    param.data.copy_(loaded)
+from meshserve.layers.weight_loader import plain_loader, set_weight_loader
 
 
 class ColumnParallelLinear(PrepackedMatmul, nn.Module):
@@ -27,11 +25,11 @@ class ColumnParallelLinear(PrepackedMatmul, nn.Module):
             raise ValueError(f"output size {out_features} is not divisible by tensor_parallel_size {self.tp_size}")
         self.out_per_rank = out_features // self.tp_size
         self.weight = nn.Parameter(torch.empty(self.out_per_rank, in_features), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader
-        self.bias = None
+        set_weight_loader(self.weight, self.weight_loader)
+        self.bias: nn.Parameter | None = None
         if bias:
             self.bias = nn.Parameter(torch.empty(self.out_per_rank), requires_grad=False)
-            self.bias.weight_loader = self.weight_loader
+            set_weight_loader(self.bias, self.weight_loader)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         n = param.shape[0]
@@ -97,11 +95,11 @@ class RowParallelLinear(PrepackedMatmul, nn.Module):
             raise ValueError(f"input size {in_features} is not divisible by tensor_parallel_size {self.tp_size}")
         self.in_per_rank = in_features // self.tp_size
         self.weight = nn.Parameter(torch.empty(out_features, self.in_per_rank), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader
-        self.bias = None
+        set_weight_loader(self.weight, self.weight_loader)
+        self.bias: nn.Parameter | None = None
         if bias:  # added once, after the reduction
             self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
-            self.bias.weight_loader = _plain_loader
+            set_weight_loader(self.bias, plain_loader)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         n = param.shape[1]
@@ -122,7 +120,7 @@ class ReplicatedLinear(PrepackedMatmul, nn.Module):
     def __init__(self, in_features: int, out_features: int):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
-        self.weight.weight_loader = _plain_loader
+        set_weight_loader(self.weight, plain_loader)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x)

@@ -29,6 +29,7 @@ from meshserve.distributed.expert_load import ExpertLoadRecorder
 from meshserve.distributed.parallel_state import get_parallel_state
 from meshserve.layers.activation import silu_and_mul
 from meshserve.layers.linear import ReplicatedLinear
+from meshserve.layers.weight_loader import set_weight_loader
 
 
 @dataclass(frozen=True)
@@ -92,8 +93,8 @@ class GroupedExperts(nn.Module):
         self.slice_rank, self.inter = slice_rank, intermediate // slices
         self.w13 = nn.Parameter(torch.empty(num_local, 2 * self.inter, hidden), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(num_local, hidden, self.inter), requires_grad=False)
-        self.w13.weight_loader = self.weight_loader
-        self.w2.weight_loader = self.weight_loader
+        set_weight_loader(self.w13, self.weight_loader)
+        set_weight_loader(self.w2, self.weight_loader)
 
     def owns(self, expert: int) -> bool:
         return self.first_expert <= expert < self.first_expert + self.num_local
@@ -179,8 +180,11 @@ class SparseMoeBlock(nn.Module):
         return weighted_sum(pair_out, weights, ids, self.router.float32_weights)
 
     def _shared(self, x: torch.Tensor) -> torch.Tensor:
+        """Only for a block with a shared expert (its gate is made with it)."""
+        assert self.shared_expert is not None and self.shared_expert_gate is not None
         return torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
 
     def _record(self, counts: torch.Tensor) -> None:
         if self.recorder is not None:
+            assert self.layer is not None, "the model sets the layer with the recorder"
             self.recorder.add(self.layer, counts)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from torch import nn
@@ -9,7 +10,7 @@ from torch import nn
 from meshserve.layers import cpu_kernels
 
 
-def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
     factor = scaling["factor"]
     low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
     old_len = scaling["original_max_position_embeddings"]
@@ -23,19 +24,23 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     return torch.where(mid, smoothed, scaled)
 
 
-def compute_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
+def compute_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type"))
+    params = scaling or {}
+    kind = params.get("rope_type", params.get("type"))
     if kind in (None, "default"):
         return inv_freq
     if kind == "llama3":
-        return _llama3_inv_freq(inv_freq, scaling)
+        return _llama3_inv_freq(inv_freq, params)
     if kind == "linear":
-        return inv_freq / scaling["factor"]
+        return inv_freq / params["factor"]
     raise ValueError(f"rope_scaling type {kind!r} is not supported (default, linear, llama3)")
 
 
 class RotaryEmbedding(nn.Module):
+    cos: torch.Tensor  # [max_positions, head_dim] float32 buffers, registered in __init__
+    sin: torch.Tensor
+
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None):
         super().__init__()
         inv_freq = compute_inv_freq(head_dim, theta, scaling)

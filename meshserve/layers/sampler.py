@@ -143,18 +143,9 @@ class Sampler:
             if new:
                 self.penalties.load(new, v)
             logits = _penalize(logits, params, *self.penalties.batch(seq_ids, v))
-        greedy = [p.greedy for p in params]
-        tokens = _argmax(logits) if any(greedy) else None
-        if not all(greedy):  # decided on the host: no device sync
-            top_k = [p.top_k if p.top_k > 0 else v for p in params]
-            # Per row: temperature, greedy, top_k, top_p, min_p (one copy for the whole batch).
-            rows = to_device([[1.0 if p.greedy else p.temperature, float(p.greedy), k, p.top_p, p.min_p]
-                              for p, k in zip(params, top_k)], torch.float32, self.device)
-            filtered = not (all(k >= v for k in top_k) and all(p.top_p >= 1.0 for p in params)
-                            and all(p.min_p <= 0 for p in params))
-            probs = self._filtered_probs(logits / rows[:, 0:1], rows, filtered)
-            sampled = self._draw(probs, seq_ids, params, seed_keys)
-            tokens = sampled if tokens is None else torch.where(rows[:, 1] > 0, tokens, sampled)
+        # Decided on the host: no device sync.
+        tokens = (_argmax(logits) if all(p.greedy for p in params)
+                  else self._sample(logits, seq_ids, params, seed_keys))
         if raw_logprobs is None:
             out = SamplerOutput(tokens.tolist(), [None] * b)  # the step's one device-to-host read
         else:
@@ -162,6 +153,21 @@ class Sampler:
         if penalized:
             self.penalties.add_sampled(seq_ids, out.token_ids)
         return out
+
+    def _sample(self, logits: torch.Tensor, seq_ids: list[int], params: list[SamplingParams],
+                seed_keys: list[int]) -> torch.Tensor:
+        """Tokens of a batch where some rows sample; its greedy rows, if any, take the argmax."""
+        v = logits.shape[1]
+        greedy = _argmax(logits) if any(p.greedy for p in params) else None
+        top_k = [p.top_k if p.top_k > 0 else v for p in params]
+        # Per row: temperature, greedy, top_k, top_p, min_p (one copy for the whole batch).
+        rows = to_device([[1.0 if p.greedy else p.temperature, float(p.greedy), k, p.top_p, p.min_p]
+                          for p, k in zip(params, top_k)], torch.float32, self.device)
+        filtered = not (all(k >= v for k in top_k) and all(p.top_p >= 1.0 for p in params)
+                        and all(p.min_p <= 0 for p in params))
+        probs = self._filtered_probs(logits / rows[:, 0:1], rows, filtered)
+        sampled = self._draw(probs, seq_ids, params, seed_keys)
+        return sampled if greedy is None else torch.where(rows[:, 1] > 0, greedy, sampled)
 
     def _filtered_probs(self, logits: torch.Tensor, rows: torch.Tensor, filtered: bool) -> torch.Tensor:
         """`rows`: the per-row parameters __call__ built; columns 2-4 are top_k, top_p, min_p."""
@@ -188,7 +194,7 @@ class Sampler:
         # one device-to-host read.
         table = torch.cat([tokens.unsqueeze(1).double(), chosen.double(), top_vals.double(), top_ids.double()],
                           dim=1).tolist()
-        out = []
+        out: list[tuple[float, list[tuple[int, float]]] | None] = []
         for row, n in zip(table, want):
             if n is None:
                 out.append(None)

@@ -1,8 +1,7 @@
 """A stage's dense decoder layers in one C++ call on CPU (csrc/decoder_stack.cpp).
 
 The module path spends a few microseconds of Python per module call and per operator; over 30
-layers that is 10-15 ms of every step, about a fifth of a decode step of the embedded model on two
-cores. The C++ loop runs the same operators in the same order, so its output is bit-identical
+layers that adds up to a noticeable share of a small model's decode step on a CPU. The C++ loop runs the same operators in the same order, so its output is bit-identical
 (tests/engine/test_cpu_decoder_stack.py compares the two). It takes Llama-family layers with the
 dense SwiGLU MLP (bias on QKV allowed: Qwen2) on one tensor-parallel rank, float32 or bfloat16 on
 CPU with the CPU kernels built, for steps of the CPU attention backend; anything else (MoE, Qwen3's
@@ -11,6 +10,9 @@ MESHSERVE_DISABLE_CPU_KERNELS=1 turns it off with the other kernels.
 """
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
+from typing import NamedTuple, Protocol
+
 import torch
 from torch import nn
 
@@ -18,13 +20,51 @@ from meshserve.layers import cpu_gemm, cpu_kernels
 from meshserve.layers.attention import AttentionMetadata
 from meshserve.layers.attention.cpu import CPUAttentionMetadata
 from meshserve.layers.attention.torch_ref import fresh_runs
+from meshserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from meshserve.layers.norm import RMSNorm
+from meshserve.layers.rotary import RotaryEmbedding
 
 _NONE = torch.empty(0)
 
 
+# What the loop reads of a Llama-family layer (models/llama.py, which imports this module).
+class StackAttention(Protocol):
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rotary: RotaryEmbedding
+    qkv_proj: QKVParallelLinear
+    o_proj: RowParallelLinear
+
+
+class StackMLP(Protocol):
+    gate_up_proj: MergedColumnParallelLinear
+    down_proj: RowParallelLinear
+
+
+class StackLayer(Protocol):
+    @property
+    def input_layernorm(self) -> RMSNorm: ...
+    @property
+    def self_attn(self) -> nn.Module: ...
+    @property
+    def post_attention_layernorm(self) -> RMSNorm: ...
+    @property
+    def mlp(self) -> nn.Module: ...
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]: ...
+
+
+class _Layer(NamedTuple):
+    """One layer whose attention and MLP are the classes the loop repeats (CPUDecoderStack.build)."""
+    input_layernorm: RMSNorm
+    attn: StackAttention
+    post_attention_layernorm: RMSNorm
+    mlp: StackMLP
+
+
 class CPUDecoderStack:
-    def __init__(self, layers: list[nn.Module]):
-        attn = layers[0].self_attn
+    def __init__(self, layers: list[_Layer]):
+        attn = layers[0].attn
         self.num_heads, self.num_kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
         self.eps = layers[0].input_layernorm.eps
         self.cos, self.sin = attn.rotary.cos, attn.rotary.sin
@@ -32,27 +72,29 @@ class CPUDecoderStack:
         self.row_multiple = cpu_gemm.row_multiple(attn.qkv_proj.weight.dtype)
         self.weights: list[torch.Tensor] = []
         for layer in layers:  # the order of LayerWeight in decoder_stack.cpp
-            a, m = layer.self_attn, layer.mlp
+            a, m = layer.attn, layer.mlp
             self.weights += [layer.input_layernorm.weight, *_linear(a.qkv_proj), _or_none(a.qkv_proj.bias),
                              *_linear(a.o_proj), layer.post_attention_layernorm.weight,
                              *_linear(m.gate_up_proj), *_linear(m.down_proj)]
 
     @classmethod
-    def build(cls, layers: list[nn.Module], tp_size: int, attention: type[nn.Module],
-              mlp: type[nn.Module]) -> CPUDecoderStack | None:
+    def build(cls, layers: Sequence[StackLayer], tp_size: int, attention: type[StackAttention],
+              mlp: type[StackMLP]) -> CPUDecoderStack | None:
         """The stack for these layers, or None when any of them needs the module path. `attention`
         and `mlp`: the model's own classes, the only ones whose operators the C++ loop repeats."""
         if not layers or tp_size != 1:
             return None
+        checked: list[_Layer] = []
         for layer in layers:
             a, m = layer.self_attn, layer.mlp
             if type(a) is not attention or type(m) is not mlp or a.o_proj.bias is not None:
                 return None
-            if a.rotary is not layers[0].self_attn.rotary or layer.input_layernorm.eps != layers[0].input_layernorm.eps:
+            checked.append(_Layer(layer.input_layernorm, a, layer.post_attention_layernorm, m))
+            if a.rotary is not checked[0].attn.rotary or layer.input_layernorm.eps != layers[0].input_layernorm.eps:
                 return None
             if not cpu_kernels.usable(*layer.parameters()) or a.rotary.cos.dtype != torch.float32:
                 return None
-        return cls(layers)
+        return cls(checked)
 
     def accepts(self, h: torch.Tensor, kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> bool:
         """Only steps the CPU attention backend built: the loop repeats that backend's attention."""

@@ -20,6 +20,7 @@ from meshserve.layers.linear import (
 )
 from meshserve.layers.norm import RMSNorm
 from meshserve.layers.rotary import RotaryEmbedding
+from meshserve.layers.weight_loader import weight_loader
 from meshserve.models.model_config import ModelConfig
 from meshserve.models.registry import register_model
 from meshserve.models.sharding import resolve_pipeline_split
@@ -28,11 +29,13 @@ from meshserve.models.sharding import resolve_pipeline_split
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding):
         super().__init__()
-        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads,
+        head_dim = cfg.head_dim
+        assert head_dim is not None, "ModelConfig.__post_init__ fills head_dim"
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, head_dim, cfg.num_attention_heads,
                                           cfg.num_key_value_heads, bias=cfg.attention_bias)
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
-        self.head_dim = cfg.head_dim
-        self.o_proj = RowParallelLinear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size)
+        self.head_dim = head_dim
+        self.o_proj = RowParallelLinear(cfg.num_attention_heads * head_dim, cfg.hidden_size)
         self.rotary = rotary
         self.attn = PagedAttention()  # runs on whichever backend built the step's metadata
 
@@ -51,8 +54,8 @@ class QKNormAttention(LlamaAttention):
 
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding):
         super().__init__(cfg, rotary)
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
 
     def rotated_qkv(self, positions, qkv: torch.Tensor):
         t, d = qkv.shape[0], self.head_dim
@@ -84,7 +87,7 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = (QKNormAttention if cfg.qk_norm else LlamaAttention)(cfg, rotary)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = mlp if mlp is not None else LlamaMLP(cfg.hidden_size, cfg.intermediate_size)
+        self.mlp: nn.Module = mlp if mlp is not None else LlamaMLP(cfg.hidden_size, cfg.intermediate_size)
 
     def forward(self, positions, h, residual, kv_cache, meta):
         """Takes and returns the pair (sub-layer output, residual stream) whose sum is the layer's
@@ -121,6 +124,7 @@ class LlamaForCausalLM(nn.Module):
         self.cfg = cfg
         self.layer_range = stage_layers(cfg.num_hidden_layers, ps.pp_size, ps.pp_rank, pp_split)
         self.is_first, self.is_last = ps.is_first_stage, ps.is_last_stage
+        assert cfg.head_dim is not None, "ModelConfig.__post_init__ fills head_dim"
         rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size) if self.is_first else None
         self.layers = nn.ModuleDict({str(i): self.make_layer(cfg, i, rotary) for i in self.layer_range})
@@ -131,17 +135,26 @@ class LlamaForCausalLM(nn.Module):
     def use_cpu_stack(self) -> None:
         """Run the layers through the C++ loop when they qualify (models/cpu_decoder_stack.py);
         cpu_gemm.prepack_model calls it once the weights are packed."""
-        self.cpu_stack = CPUDecoderStack.build(list(self.layers.values()), get_parallel_state().tp_size,
+        self.cpu_stack = CPUDecoderStack.build(self.decoder_layers(), get_parallel_state().tp_size,
                                               LlamaAttention, LlamaMLP)
 
-    def make_layer(self, cfg: ModelConfig, layer: int, rotary: RotaryEmbedding) -> nn.Module:
+    def make_layer(self, cfg: ModelConfig, layer: int, rotary: RotaryEmbedding) -> LlamaDecoderLayer:
         return LlamaDecoderLayer(cfg, rotary)
+
+    def decoder_layers(self) -> list[LlamaDecoderLayer]:
+        """This stage's layers in order, as make_layer built them (an nn.ModuleDict holds them as
+        plain Modules)."""
+        layers = []
+        for layer in self.layers.values():
+            assert isinstance(layer, LlamaDecoderLayer)
+            layers.append(layer)
+        return layers
 
     def forward(self, input_ids, positions, kv_caches, meta, hidden=None) -> torch.Tensor:
         """First stage takes token ids, later stages the previous stage's hidden states. Returns the
         hidden states after this stage's layers (final-normed on the last stage)."""
         # A later stage's input becomes its residual stream, which the fused norms update in place.
-        h = self.embed_tokens(input_ids) if self.is_first else hidden.clone()
+        h = self.embed_tokens(input_ids) if self.embed_tokens is not None else hidden.clone()
         residual = None
         if self.cpu_stack is not None and self.cpu_stack.accepts(h, kv_caches, meta):
             h, residual = self.cpu_stack(positions, h, kv_caches, meta)
@@ -149,10 +162,11 @@ class LlamaForCausalLM(nn.Module):
             for i, layer in self.layers.items():
                 h, residual = layer(positions, h, residual, kv_caches[int(i) - self.layer_range.start], meta)
         if residual is None:  # a stage without layers
-            return self.norm(h) if self.is_last else h
-        return self.norm(h, residual)[0] if self.is_last else h + residual
+            return self.norm(h) if self.norm is not None else h
+        return self.norm(h, residual)[0] if self.norm is not None else h + residual
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        assert self.lm_head is not None, "only the last stage has the LM head"
         return self.lm_head(hidden)
 
     def load_weights(self, weights) -> None:
@@ -165,7 +179,7 @@ class LlamaForCausalLM(nn.Module):
                 layer = int(name.split(".")[2])
                 if layer not in self.layer_range:
                     continue
-            targets = []
+            targets: list[tuple[str, object]] = []
             if name == "model.embed_tokens.weight":
                 targets.append(("embed_tokens.weight", None))
                 if self.cfg.tie_word_embeddings:
@@ -176,10 +190,11 @@ class LlamaForCausalLM(nn.Module):
                 p = params.get(local)
                 if p is None:
                     continue  # another pipeline stage owns it
+                load = weight_loader(p)  # the layer's own; a plain copy for a parameter without one
                 if shard is None:
-                    p.weight_loader(p, tensor) if hasattr(p, "weight_loader") else p.data.copy_(tensor)
+                    load(p, tensor)
                 else:
-                    p.weight_loader(p, tensor, shard)
+                    load(p, tensor, shard)
 
     def checkpoint_target(self, local: str) -> tuple[str, object]:
         """(our parameter name, shard id or None) for a checkpoint tensor name without 'model.'."""

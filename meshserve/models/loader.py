@@ -16,7 +16,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import numpy as np
 import torch
@@ -124,7 +124,7 @@ _GGUF_EXPERT_TENSORS = {"ffn_gate_exps.weight": "gate", "ffn_up_exps.weight": "u
 _GGUF_UNPERMUTED_ROPE = frozenset({"qwen2moe", "qwen3moe"})
 
 
-def _gguf_fields(reader) -> dict:
+def _gguf_fields(reader) -> dict[str, Any]:
     out = {}
     for key, field in reader.fields.items():
         try:
@@ -141,19 +141,29 @@ def _unpermute_rope(w: np.ndarray, n_head: int) -> np.ndarray:
              .swapaxes(1, 2).reshape(w.shape))
 
 
-def gguf_config(fields: dict) -> ModelConfig:
+def gguf_config(fields: dict[str, Any]) -> ModelConfig:
     arch = fields.get("general.architecture")
     architecture = architecture_of_gguf(arch)
-    g = lambda k, d=None: fields.get(f"{arch}.{k}", d)  # noqa: E731
-    heads = g("attention.head_count")
+
+    def g(key: str, default: Any = None) -> Any:
+        """The architecture's metadata value (a number, a string or a list), or `default`."""
+        return fields.get(f"{arch}.{key}", default)
+
+    def need(key: str) -> Any:
+        value = g(key)
+        if value is None:
+            raise ValueError(f"GGUF metadata has no {arch}.{key}")
+        return value
+
+    heads = need("attention.head_count")
     experts = int(g("expert_count", 0) or 0)
     if experts and architecture == "LlamaForCausalLM":
         architecture = "MixtralForCausalLM"  # llama.cpp files Mixtral under the llama architecture
     return ModelConfig(
-        hidden_size=g("embedding_length"), num_hidden_layers=g("block_count"),
+        hidden_size=need("embedding_length"), num_hidden_layers=need("block_count"),
         num_attention_heads=heads, num_key_value_heads=g("attention.head_count_kv", heads),
         head_dim=g("attention.key_length"),
-        intermediate_size=g("feed_forward_length"),
+        intermediate_size=g("feed_forward_length"),  # optional in llama.cpp's converter (all-sparse MoE)
         vocab_size=g("vocab_size") or len(fields["tokenizer.ggml.tokens"]),
         rms_norm_eps=float(g("attention.layer_norm_rms_epsilon", 1e-5)),
         rope_theta=float(g("rope.freq_base", 10000.0)),
@@ -175,7 +185,11 @@ def gguf_config(fields: dict) -> ModelConfig:
 
 def _split_experts(stacked: np.ndarray, layer: str, which: str, architecture: str) -> dict[str, np.ndarray]:
     """One [experts, out, in] tensor -> the family's per-expert checkpoint names."""
+    from meshserve.models.moe_decoder import SparseMoeForCausalLM  # loaded with the MoE families anyway
+
     family = model_class(architecture)
+    if not issubclass(family, SparseMoeForCausalLM):
+        raise ValueError(f"the GGUF file has expert tensors, but {architecture} is not a mixture-of-experts model")
     projection = {v: k for k, v in family.EXPERT_PROJECTIONS.items()}[which]
     return {f"model.layers.{layer}.{family.MOE_MODULE}.experts.{e}.{projection}.weight": stacked[e]
             for e in range(stacked.shape[0])}

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from meshserve.models.geometry import check_geometry
 
@@ -103,7 +104,7 @@ class ModelConfig:
         heads = int(need("num_attention_heads", "n_head"))
         experts = int(first("num_local_experts", "n_routed_experts", "num_experts", default=0))
         # Newer configs put rope_theta and the scaling into one "rope_parameters" dict.
-        rope = dict(cfg.get("rope_parameters") or {})
+        rope: dict[str, Any] = dict(cfg.get("rope_parameters") or {})
         theta = cfg.get("rope_theta", rope.pop("rope_theta", 10000.0))
         scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
         return cls(

@@ -37,7 +37,7 @@ class SparseMoeForCausalLM(LlamaForCausalLM):
         """A module returning its TP partial sum (the MoE block reduces it), or None."""
         return None
 
-    def make_layer(self, cfg: ModelConfig, layer: int, rotary: RotaryEmbedding) -> nn.Module:
+    def make_layer(self, cfg: ModelConfig, layer: int, rotary: RotaryEmbedding) -> LlamaDecoderLayer:
         if not cfg.is_moe_layer(layer):
             return super().make_layer(cfg, layer, rotary)
         block = SparseMoeBlock(cfg.hidden_size, cfg.moe_intermediate_size, self.router_spec(cfg),

@@ -1,26 +1,32 @@
 """Which model class serves which architecture.
 
 A model family is one module in `meshserve/models/` that decorates its class with
-`@register_model("HFArchitectureName", ..., gguf="gguf_arch")`. The registry imports every
-module of the package once, on first lookup, so adding a family touches no other file.
+`@register_model("HFArchitectureName", ..., gguf="gguf_arch")`. The class is a LlamaForCausalLM
+(models/llama.py) or a subclass: the runner drives every family through that interface. The registry
+imports every module of the package once, on first lookup, so adding a family touches no other file.
 `config.json`'s `architectures[0]` (or a GGUF file's `general.architecture`) selects the class.
 """
 from __future__ import annotations
 
 import importlib
 import pkgutil
-from typing import Callable
+from typing import TYPE_CHECKING, Callable, TypeVar
 
-_CLASSES: dict[str, type] = {}  # HF architecture name -> model class
+if TYPE_CHECKING:  # llama registers itself here, so it is never imported from this module at run time
+    from meshserve.models.llama import LlamaForCausalLM
+
+_Family = TypeVar("_Family", bound="type[LlamaForCausalLM]")
+
+_CLASSES: dict[str, type[LlamaForCausalLM]] = {}  # HF architecture name -> model class
 _GGUF: dict[str, str] = {}  # GGUF general.architecture -> HF architecture name
 # Modules of this package that define no model family.
 _NOT_MODELS = frozenset({"registry", "model_config", "loader", "sharding", "moe_decoder"})
 _discovered = False
 
 
-def register_model(*architectures: str, gguf: str | None = None) -> Callable[[type], type]:
+def register_model(*architectures: str, gguf: str | None = None) -> Callable[[_Family], _Family]:
     """`gguf`: the GGUF `general.architecture` read as the first of `architectures`."""
-    def wrap(cls: type) -> type:
+    def wrap(cls: _Family) -> _Family:
         for arch in architectures:
             _CLASSES[arch] = cls
         if gguf is not None:
@@ -47,7 +53,7 @@ def check_supported(architecture: str) -> None:
                          f"supported: {', '.join(sorted(_CLASSES))}")
 
 
-def model_class(architecture: str) -> type:
+def model_class(architecture: str) -> type[LlamaForCausalLM]:
     check_supported(architecture)
     return _CLASSES[architecture]
 

@@ -94,7 +94,8 @@ class DecodeGraphInputs:
         self.scalars[:, :padded].copy_(self._staged(scalars), non_blocking=True)
         # Columns past `width` may hold an earlier step's blocks: the context lengths keep them unread.
         self.block_tables[:padded, :width].copy_(self._staged(tables), non_blocking=True)
-        if hidden is not None:
+        if hidden is not None:  # a later pipeline stage, whose inputs were made with hidden_size
+            assert self.hidden is not None
             self.hidden[:n].copy_(hidden)
 
     def _staged(self, values: list[list[int]]) -> torch.Tensor:
@@ -158,6 +159,7 @@ class DecodeGraphs:
         stage's next micro-batch) overwrites it while this one may still be sending."""
         n = len(packed.decode_context_lens)
         size = padded_batch_size(self.sizes, n)
+        assert size is not None, "run only a step that can_run accepts"
         self.inputs.fill(packed, size, hidden)
         graph, out = self._graphs[size]
         graph.replay()

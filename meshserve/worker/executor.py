@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from abc import ABC, abstractmethod
 from pathlib import Path
 
 from meshserve.config import EngineConfig
@@ -37,7 +38,7 @@ class WorkerFailure(RuntimeError):
         self.rank = rank
 
 
-class Executor:
+class Executor(ABC):
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.timing = TimingStats()
@@ -47,10 +48,15 @@ class Executor:
     def set_moe(self, num_experts: int, ep_size: int) -> None:
         self.expert_load = ExpertLoadStats(num_experts, ep_size)
 
+    @abstractmethod
     def num_kv_blocks(self) -> int: ...
+    @abstractmethod
     def init_kv_cache(self, num_blocks: int) -> None: ...
+    @abstractmethod
     def block_bytes(self) -> int: ...
+    @abstractmethod
     def execute(self, step: StepInput) -> StepResult: ...
+    @abstractmethod
     def check_health(self) -> None: ...
 
     def sentinels(self) -> list:

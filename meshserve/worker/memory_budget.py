@@ -87,7 +87,8 @@ def profile_steps(max_num_batched_tokens: int, max_num_seqs: int, max_model_len:
     All slots and block tables name block 0: the dummy cache has one block."""
     params = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, min_p=0.05, logprobs=MAX_LOGPROBS,
                             presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.1)
-    history = ([0] * (max_model_len - 1), [])  # one shared list: the sampler's penalty indices at full length
+    # One shared list: the sampler's penalty indices at full length.
+    history: tuple[list[int], list[int]] = ([0] * (max_model_len - 1), [])
     table = [0] * -(-max_model_len // block_size)
 
     def seq(seq_id: int, num_new: int) -> SeqStep:

@@ -12,6 +12,7 @@ import time
 import torch
 
 from meshserve.config import CPU_DEFAULT_KV_BYTES, EngineConfig
+from meshserve.distributed.expert_load import ExpertLoadRecorder
 from meshserve.distributed.parallel_state import get_parallel_state
 from meshserve.worker.step import StepInput
 from meshserve.layers import cpu_kernels
@@ -21,7 +22,11 @@ from meshserve.layers.host_to_device import to_device
 from meshserve.layers.moe import SparseMoeBlock
 from meshserve.layers.sampler import Sampler, SamplerOutput
 from meshserve.models.loader import ModelSource
+from meshserve.models.geometry import kv_block_bytes
+from meshserve.models.llama import LlamaForCausalLM
+from meshserve.models.model_config import ModelConfig
 from meshserve.models.registry import model_class
+from meshserve.sampling_params import SamplingParams
 from meshserve.worker.cuda_graphs import DecodeGraphInputs, DecodeGraphs, capture_sizes, graphs_disabled_reason
 from meshserve.worker.memory_budget import (
     DeviceMemoryProfile,
@@ -44,7 +49,8 @@ def _init_dummy_(model: torch.nn.Module, seed: int, device: torch.device) -> Non
             p.data.copy_(torch.randn(p.shape, generator=g, device=device, dtype=p.dtype) * 0.02)
 
 
-def _build_model(cls, cfg, split, device: torch.device, dtype: torch.dtype, dummy: bool) -> torch.nn.Module:
+def _build_model(cls: type[LlamaForCausalLM], cfg: ModelConfig, split: list[int] | None, device: torch.device,
+                 dtype: torch.dtype, dummy: bool) -> LlamaForCausalLM:
     """Loaded weights on CPU: built in float32 and cast afterwards, as always. On a GPU, or with dummy
     weights (a big geometry, an MoE's experts), built on the device in the final dtype: an 8B model
     in float32 on the host would need 32 GB there."""
@@ -88,7 +94,7 @@ class ModelRunner:
         if getattr(self.model, "cpu_stack", None) is not None and self.ps.rank == 0:
             logger.info("decoder layers run as one C++ loop (models/cpu_decoder_stack.py)")
         self.sampler = Sampler(config.seed, self.device) if self.ps.is_last_stage and self.ps.tp_rank == 0 else None
-        attn = next(iter(self.model.layers.values())).self_attn
+        attn = next(iter(self.model.decoder_layers())).self_attn
         self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
         self.kv_caches: list[torch.Tensor] = []
         self.attn_backend = select_backend(self.device, AttentionSpec(attn.num_heads, attn.num_kv_heads,
@@ -102,7 +108,8 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         self.kv_budget: KVCacheBudget | None = None  # the measured breakdown, on CUDA
         # MoE routing counts: every rank of a stage sees the same global counts, its first TP rank reports them.
-        self.expert_load = getattr(self.model, "expert_load", None) if self.ps.tp_rank == 0 else None
+        self.expert_load: ExpertLoadRecorder | None = (getattr(self.model, "expert_load", None)
+                                                       if self.ps.tp_rank == 0 else None)
 
     def _warm_up_matmuls(self) -> None:
         """oneDNN's primitives for the row counts of steps that run beside decodes (a prompt chunk
@@ -133,7 +140,7 @@ class ModelRunner:
     @property
     def block_bytes(self) -> int:
         elem = torch.tensor([], dtype=self.dtype).element_size()
-        return 2 * len(self.model.layers) * self.num_kv_heads * self.head_dim * self.block_size * elem
+        return kv_block_bytes(len(self.model.layers), self.num_kv_heads, self.head_dim, self.block_size, elem)
 
     def num_kv_blocks(self) -> int:
         """Blocks this rank can hold: an explicit byte budget, or on a GPU what the profiled
@@ -248,6 +255,9 @@ class ModelRunner:
         if self.sampler is None:
             return None
         sampling = [s for s in step.seqs if s.sample]
-        params = [s.params for s in sampling]
+        params: list[SamplingParams] = []
+        for s in sampling:
+            assert s.params is not None, "the engine sends the params of every sequence that samples"
+            params.append(s.params)
         return self.sampler(logits, [s.seq_id for s in sampling], params, [s.seed_key for s in sampling],
                             [s.history for s in sampling])

@@ -18,6 +18,7 @@ import os
 import pickle
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 import time
@@ -25,6 +26,7 @@ import traceback
 import weakref
 from contextlib import contextmanager
 from multiprocessing.connection import Connection, wait
+from multiprocessing.process import BaseProcess
 from typing import NoReturn
 
 import torch
@@ -43,6 +45,10 @@ _SHUTDOWN_GRACE_S = 10.0  # for a rank to write its profiler trace and leave its
 # After one rank's step raised, how long the others may take to finish theirs before they count as
 # stuck in a collective with it.
 STEP_ERROR_GRACE_S = 10.0
+
+
+# What multiprocessing.connection.wait takes and returns: pipe ends, sockets, process sentinels.
+_Waitable = Connection | socket.socket | int
 
 
 class RankStepError(RuntimeError):
@@ -146,13 +152,19 @@ class MultiprocExecutor(DistributedExecutor):
         self._tmpdir = tempfile.mkdtemp(prefix="meshserve-dist-")
         store_path = os.path.join(self._tmpdir, "store")
         ctx = _context()
-        self.procs, self.conns, self._engine_alive = [], [], []
+        self.procs: list[BaseProcess] = []
+        self.conns: list[Connection] = []
+        self._engine_alive: list[Connection] = []
         # Stops whatever has started if this object goes away without shutdown() (or start-up fails).
         self._finalizer = weakref.finalize(self, _stop, self.procs, self.conns, self._engine_alive, self._tmpdir, 0.0)
         for rank in range(world):
             conn, child_conn = ctx.Pipe()
             alive_r, alive_w = ctx.Pipe(duplex=False)
-            rank_device = torch.device("cuda", ranks[rank].gpu) if device.type == "cuda" else device
+            rank_device = device
+            if device.type == "cuda":
+                gpu = ranks[rank].gpu
+                assert gpu is not None, "a CUDA replica's placement gives each rank a GPU"
+                rank_device = torch.device("cuda", gpu)
             p = ctx.Process(target=_worker_main, name=f"meshserve-rank{rank}", daemon=True,
                             args=(rank, child_conn, alive_r, config, source, max_model_len, store_path,
                                   rank_device, shares[rank], dict(os.environ)))
@@ -188,8 +200,8 @@ class MultiprocExecutor(DistributedExecutor):
         A rank whose step raised ("step_error") fails only the step, if every other rank still
         answers within STEP_ERROR_GRACE_S: the ranks are then in step with each other and serve on.
         A rank that does not is stuck in a collective with the failed one, and all are stopped."""
-        pending = {self.conns[r]: r for r in self._awaiting}
-        sentinels = {p.sentinel: r for r, p in enumerate(self.procs)}
+        pending: dict[_Waitable, int] = {self.conns[r]: r for r in self._awaiting}
+        sentinels: dict[_Waitable, int] = {p.sentinel: r for r, p in enumerate(self.procs)}
         deadline = None if timeout is None else time.monotonic() + timeout
         replies, step_error = {}, None
         while pending:
@@ -206,7 +218,7 @@ class MultiprocExecutor(DistributedExecutor):
                     continue  # it answered before exiting, or was read above in this round
                 rank = pending.pop(obj)
                 try:
-                    answer: RankAnswer = obj.recv()
+                    answer: RankAnswer = self.conns[rank].recv()  # obj itself
                 except (EOFError, OSError):
                     self._fail(rank)
                 self._awaiting.discard(rank)

@@ -14,12 +14,18 @@ import logging
 import os
 from collections import defaultdict
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 from meshserve.config import EngineConfig
 from meshserve.worker.step import StepInput
 from meshserve.models.loader import ModelSource
 from meshserve.worker.executor import DistributedExecutor, WorkerFailure
 from meshserve.worker.rank_messages import RankCall, RankMethod
+
+if TYPE_CHECKING:  # imported in the actor, where they run
+    from torch.distributed import TCPStore
+
+    from meshserve.worker.worker import Worker
 
 logger = logging.getLogger("meshserve")
 
@@ -39,8 +45,8 @@ class RayWorkerActor:
     """One rank inside a Ray actor (wrapped with ray.remote by the executor)."""
 
     def __init__(self) -> None:
-        self.worker = None
-        self.store = None
+        self.worker: Worker | None = None  # made by start
+        self.store: TCPStore | None = None  # rank 0's, from open_store
 
     def node_id(self) -> str:
         import ray

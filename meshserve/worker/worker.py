@@ -57,8 +57,9 @@ class Worker:
         tp = self.ps.tp_size
         self.prev_rank = self.ps.rank - tp  # same TP rank, previous stage
         self.next_rank = self.ps.rank + tp
-        self._inflight: list[tuple[object, torch.Tensor]] = []  # sends still running, with their tensors
-        self._profiler = None
+        # Sends still running, with their tensors.
+        self._inflight: list[tuple[torch.distributed.Work, torch.Tensor]] = []
+        self._profiler: torch.profiler.profile | None = None
         self.min_microbatch_tokens = MIN_MICROBATCH_TOKENS.get(device.type, 1)
 
     @property
@@ -114,6 +115,7 @@ class Worker:
 
     def close(self) -> None:
         if self._profiler is not None:
+            assert self.config.profile_dir, "init_kv_cache starts the profiler only with a profile_dir"
             self._profiler.stop()
             out = Path(self.config.profile_dir) / f"trace_rank{self.rank}.json"
             out.parent.mkdir(parents=True, exist_ok=True)

@@ -26,7 +26,8 @@ class CPUBackend(TorchBackend):
     metadata_type = CPUAttentionMetadata
 
     def _decode(self, q, k_cache, v_cache, meta: TorchAttentionMetadata) -> torch.Tensor:
+        tables, lens = meta.decode_block_tables, meta.decode_context_lens
+        assert tables is not None and lens is not None  # a step with decodes has both
         if cpu_kernels.usable(q, k_cache):  # reads K/V in place of the reference's gather
-            return cpu_kernels.paged_decode(q, k_cache, v_cache, meta.decode_block_tables,
-                                            meta.decode_context_lens, q.shape[-1] ** -0.5)
+            return cpu_kernels.paged_decode(q, k_cache, v_cache, tables, lens, q.shape[-1] ** -0.5)
         return super()._decode(q, k_cache, v_cache, meta)

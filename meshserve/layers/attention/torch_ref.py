@@ -73,6 +73,8 @@ class TorchBackend(AttentionBackend):
         return out
 
     def _decode(self, q, k_cache, v_cache, meta: TorchAttentionMetadata) -> torch.Tensor:
+        """Only for a step with decodes, whose tables and mask build_inputs set together."""
+        assert meta.decode_block_tables is not None and meta.decode_mask is not None
         return gathered_decode(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_mask)
 
 

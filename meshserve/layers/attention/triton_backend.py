@@ -87,6 +87,7 @@ class TritonBackend(AttentionBackend):
             self._kernels.prefill_attention(q, k_cache, v_cache, out, p.query_start, p.context_lens,
                                             p.block_tables, p.tile_seq, p.tile_start, scale)
         if meta.decode_block_tables is not None:
+            assert meta.decode_context_lens is not None  # set with the tables
             self._kernels.decode_attention(q[n:], k_cache, v_cache, out[n:], meta.decode_context_lens,
                                            meta.decode_block_tables, scale, meta.decode_splits)
         return out
