@@ -3,10 +3,14 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import asdict, dataclass, replace
+from typing import TYPE_CHECKING
 
 from meshserve.utils.checks import check_positive_int, check_range
 from meshserve.utils.cli_fields import add_flags, flag, values_for
 from meshserve.utils.cpuinfo import cpu_flags
+
+if TYPE_CHECKING:
+    import torch  # at run time imported where needed: building the CLI parser stays fast
 
 _DTYPES = ("float32", "bfloat16", "float16")
 _DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
@@ -103,16 +107,16 @@ class EngineConfig:
     def world_size(self) -> int:
         return self.tensor_parallel_size * self.pipeline_parallel_size
 
-    def resolved_device(self):
+    def resolved_device(self) -> torch.device:
         import torch
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
 
-    def resolved_dtype(self):
+    def resolved_dtype(self) -> torch.dtype:
         return self.dtype_choice()[0]
 
-    def dtype_choice(self):
+    def dtype_choice(self) -> tuple[torch.dtype, str]:
         """(torch dtype, why): the dtype asked for, or what `auto` picks on this device."""
         import torch
         if self.dtype != "auto":
@@ -170,10 +174,10 @@ def cpu_has_amx_bf16() -> bool:
     return "amx_bf16" in cpu_flags()
 
 
-def _cuda_bf16_supported(device) -> bool:
+def _cuda_bf16_supported(device: torch.device) -> bool:
     import torch
     with torch.cuda.device(device):  # emulated bf16 (pre-Ampere) runs far slower than float16
-        return torch.cuda.is_bf16_supported(including_emulation=False)
+        return bool(torch.cuda.is_bf16_supported(including_emulation=False))
 
 
 def _cuda_available() -> bool:

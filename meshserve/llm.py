@@ -2,27 +2,35 @@
 from __future__ import annotations
 
 import itertools
-from typing import Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from tqdm import tqdm
 
 from meshserve.config import EngineConfig
 from meshserve.engine.llm_engine import LLMEngine
 from meshserve.engine.messages import RequestDelta
-from meshserve.outputs import CompletionOutput, RequestOutput
+from meshserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from meshserve.sampling_params import SamplingParams
+from meshserve.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from typing_extensions import TypeIs
 
 PromptType = str | list[int]
+
+
+def _is_one_conversation(messages: list[dict] | list[list[dict]]) -> TypeIs[list[dict]]:
+    return bool(messages) and isinstance(messages[0], dict)
 
 
 class LLM:
     """`LLM()` serves the embedded default model; keyword arguments are EngineConfig fields."""
 
-    def __init__(self, model: str | None = "default", **kwargs):
+    def __init__(self, model: str | None = "default", **kwargs: Any) -> None:
         self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
         self._ids = itertools.count()
 
-    def get_tokenizer(self):
+    def get_tokenizer(self) -> Tokenizer:
         return self.engine.tokenizer
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
@@ -54,7 +62,7 @@ class LLM:
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              add_generation_prompt: bool = True, use_tqdm: bool = False) -> list[RequestOutput]:
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        conversations = [messages] if _is_one_conversation(messages) else messages
         tok = self.engine.tokenizer
         prompts = [tok.encode(tok.apply_chat_template(c, add_generation_prompt), add_special_tokens=False)
                    for c in conversations]
@@ -85,7 +93,9 @@ class _Collected:
         self.texts: list[list[str]] = [[] for _ in range(params.n)]
         self.samples = [CompletionOutput(i, "", [], logprobs=[] if params.logprobs is not None else None)
                         for i in range(params.n)]
-        self.finished, self.metrics, self.error = False, None, None
+        self.finished = False
+        self.metrics: RequestMetrics | None = None
+        self.error: str | None = None
 
     def add(self, delta: RequestDelta) -> None:
         for d in delta.outputs:

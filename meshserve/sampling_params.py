@@ -69,6 +69,16 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids may hold at most {MAX_STOP_TOKEN_IDS} ids, "
                              f"got {len(self.stop_token_ids)}")
 
+    # `stop` and `stop_token_ids` take what a client sends (one string, None); __post_init__ makes
+    # them lists, and these read them as such.
+    @property
+    def stop_strings(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else self.stop or []
+
+    @property
+    def stop_ids(self) -> list[int]:
+        return self.stop_token_ids or []
+
     @property
     def greedy(self) -> bool:
         return is_greedy(self.temperature)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Sequence
+from typing import Any, NoReturn, Sequence
 
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
@@ -12,11 +12,12 @@ from tokenizers import Tokenizer as HFTokenizer
 _GGUF_SPECIAL_TYPES = (3, 4)
 
 
-def _render_template(template: str, messages: list[dict], add_generation_prompt: bool, **extra) -> str:
+def _render_template(template: str, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                     **extra: str) -> str:
     from jinja2.exceptions import TemplateError
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-    def raise_exception(message: str):
+    def raise_exception(message: str) -> NoReturn:
         raise TemplateError(message)
 
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
@@ -78,7 +79,7 @@ class Tokenizer:
         types = fields.get("tokenizer.ggml.token_type") or [1] * len(tokens)
         vocab = {t: i for i, t in enumerate(tokens)}
         tok = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
-        pre = [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
+        pre: list[pre_tokenizers.PreTokenizer] = [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
         if fields.get("tokenizer.ggml.pre") in ("smollm", "starcoder", "refact", "smaug-bpe"):
             # These pre-tokenizers split every digit on its own before byte-level BPE.
             pre.insert(0, pre_tokenizers.Digits(individual_digits=True))
@@ -106,8 +107,9 @@ class Tokenizer:
         if (path / "tokenizer_config.json").exists():
             cfg = json.loads((path / "tokenizer_config.json").read_text())
 
-        def text(v):
-            return v.get("content") if isinstance(v, dict) else v
+        def text(v: object) -> str | None:  # a token is a string or an AddedToken's fields
+            token = v.get("content") if isinstance(v, dict) else v
+            return token if isinstance(token, str) else None
 
         template = cfg.get("chat_template")
         if template is None and (path / "chat_template.jinja").exists():

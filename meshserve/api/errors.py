@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import fields
 from http import HTTPStatus
+from typing import Any
 
 from pydantic import ValidationError
 
@@ -38,13 +39,13 @@ class APIError(Exception):
         self.type = type
         self.request_id = request_id
 
-    def body(self) -> dict:
+    def body(self) -> dict[str, Any]:
         return error_body(self.status, self.message, param=self.param, code=self.code, type=self.type,
                           request_id=self.request_id)
 
 
 def error_body(status: int, message: str, *, param: str | None = None, code: str | None = None,
-               type: str | None = None, request_id: str | None = None) -> dict:
+               type: str | None = None, request_id: str | None = None) -> dict[str, Any]:
     """`request_id` is added for failures a client may want to report (the server's, not theirs)."""
     kind = type or _TYPES.get(status) or ("server_error" if status >= 500 else "invalid_request_error")
     err = {"message": message, "type": kind, "param": param,
@@ -79,6 +80,6 @@ def from_value_error(exc: ValueError) -> APIError:
     return bad_request(message, param=first if first in _PARAMS else None)
 
 
-def _short(value, limit: int = 60) -> str:
+def _short(value: object, limit: int = 60) -> str:
     text = repr(value)
     return text if len(text) <= limit else text[:limit] + "..."

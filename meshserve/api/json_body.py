@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import json
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
@@ -12,7 +12,7 @@ from meshserve.api.errors import APIError, bad_request, from_validation_error
 M = TypeVar("M", bound=BaseModel)
 
 
-def _reject_constant(name: str):
+def _reject_constant(name: str) -> NoReturn:
     raise ValueError(f"{name} is not valid JSON")
 
 
@@ -40,7 +40,7 @@ async def read_json(request: Request, limit: int) -> Any:
     try:
         obj = json.loads(b"".join(chunks).decode("utf-8"), parse_constant=_reject_constant)
         _check_strings(obj)
-    except UnicodeError as exc:
+    except (UnicodeDecodeError, UnicodeEncodeError) as exc:  # bad bytes; a lone surrogate
         raise bad_request(f"request body is not valid UTF-8: {exc.reason}", code="invalid_json") from None
     except RecursionError:
         raise bad_request("request body is nested too deeply", code="invalid_json") from None

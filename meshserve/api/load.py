@@ -8,6 +8,7 @@ clients ignore. The value is `key=value` pairs joined by `;`, numbers only, e.g.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import Any
 
 LOAD_HEADER = "X-Meshserve-Load"
 SSE_LOAD_PREFIX = b": load "
@@ -37,7 +38,7 @@ def format_load(load: ReportedLoad) -> str:
 
 def parse_load(text: str) -> ReportedLoad | None:
     """None for a value that is not a load report (unknown keys are skipped: newer replicas)."""
-    values: dict = {}
+    values: dict[str, Any] = {}  # ReportedLoad's keyword arguments, an int or a float each
     for part in text.split(";"):
         key, sep, raw = part.strip().partition("=")
         if not sep or key not in _FIELDS:

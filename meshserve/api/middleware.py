@@ -7,8 +7,11 @@ import logging
 import uuid
 from collections.abc import Callable
 
+from starlette.applications import Starlette
 from starlette.datastructures import Headers
+from starlette.requests import Request
 from starlette.responses import Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from meshserve.api.errors import APIError, bad_request
 from meshserve.api.load import LOAD_HEADER
@@ -41,14 +44,14 @@ class RequestContextMiddleware:
     server's load figures) on every response, the API key, and the declared body size, all checked
     before a route runs."""
 
-    def __init__(self, app, api_key: str | None, max_body_bytes: int,
+    def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int,
                  load_report: Callable[[], str] | None = None) -> None:
         self.app = app
         self.expected_auth = f"Bearer {api_key}".encode() if api_key else None
         self.max_body_bytes = max_body_bytes
         self.load_report = load_report
 
-    async def __call__(self, scope, receive, send) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
@@ -59,7 +62,7 @@ class RequestContextMiddleware:
         scope.setdefault("state", {})["request_id"] = request_id
         started = False
 
-        async def send_with_id(message) -> None:
+        async def send_with_id(message: Message) -> None:
             nonlocal started
             if message["type"] == "http.response.start":
                 started = True
@@ -82,7 +85,7 @@ class RequestContextMiddleware:
             err = APIError(500, "internal server error", code="internal_error")
             await error_response(err)(scope, receive, send_with_id)
 
-    def _precheck(self, scope, headers: Headers) -> APIError | None:
+    def _precheck(self, scope: Scope, headers: Headers) -> APIError | None:
         if self.expected_auth is not None and scope["path"] not in OPEN_PATHS:
             given = headers.get("authorization", "").encode("latin-1")
             if not hmac.compare_digest(given, self.expected_auth):
@@ -98,20 +101,25 @@ class RequestContextMiddleware:
         return None
 
 
-def install_error_handlers(app) -> None:
+def install_error_handlers(app: Starlette) -> None:
     """OpenAI-style error bodies for APIError and Starlette's own HTTP errors; a client that left
     gets the non-standard 499 (nobody reads it, but access logs say what happened)."""
     from starlette.exceptions import HTTPException
 
     from meshserve.api.sse import ClientDisconnected
 
-    async def api_error(request, exc: APIError) -> Response:
+    # Starlette types every handler as taking any Exception; each gets only the class it is
+    # registered for.
+    async def api_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, APIError)
         return error_response(exc)
 
-    async def http_error(request, exc: HTTPException) -> Response:
-        return error_response(APIError(exc.status_code, str(exc.detail), headers=exc.headers))
+    async def http_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        headers = dict(exc.headers) if exc.headers is not None else None
+        return error_response(APIError(exc.status_code, str(exc.detail), headers=headers))
 
-    async def gone(request, exc: ClientDisconnected) -> Response:
+    async def gone(request: Request, exc: Exception) -> Response:
         return Response(status_code=CLIENT_CLOSED)
 
     app.add_exception_handler(APIError, api_error)

@@ -5,7 +5,7 @@ clients written for vLLM work unchanged. Ranges are checked once, by SamplingPar
 """
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, TypeGuard
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -51,9 +51,26 @@ class SamplingFields(StrictModel):
     include_stop_str_in_output: bool | None = None
 
 
+# str, a batch of str, one prompt as token ids, or a batch of token-id prompts
+Prompt = str | list[str] | list[int] | list[list[int]]
+
+
+def is_text_batch(prompt: Prompt) -> TypeGuard[list[str]]:
+    """A validated prompt list holds one kind of item, so its first tells which (an empty list is
+    none of the three)."""
+    return isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], str)
+
+
+def is_token_ids(prompt: Prompt) -> TypeGuard[list[int]]:
+    return isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], int)
+
+
+def is_token_batch(prompt: Prompt) -> TypeGuard[list[list[int]]]:
+    return isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], list)
+
+
 class CompletionRequest(SamplingFields):
-    # str, a batch of str, one prompt as token ids, or a batch of token-id prompts
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: Prompt
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     best_of: int | None = None

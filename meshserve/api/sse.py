@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator, Awaitable
 from typing import Any, TypeVar
 
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 T = TypeVar("T")
 
@@ -40,10 +41,11 @@ class EventStreamResponse(StreamingResponse):
 
     media_type = "text/event-stream"
 
-    def __init__(self, content: AsyncIterator[bytes], headers: dict[str, str] | None = None) -> None:
+    def __init__(self, content: AsyncGenerator[bytes, None], headers: dict[str, str] | None = None) -> None:
         super().__init__(content, headers={"Cache-Control": "no-cache", **(headers or {})})
+        self._content = content  # body_iterator, typed as the generator it is (to close it)
 
-    async def __call__(self, scope, receive, send) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             async with asyncio.TaskGroup() as tg:
                 stream = tg.create_task(self.stream_response(send))
@@ -55,10 +57,10 @@ class EventStreamResponse(StreamingResponse):
         except* OSError:
             pass  # the client left while we were writing
         finally:
-            await self.body_iterator.aclose()
+            await self._content.aclose()
 
 
-async def _wait_disconnect(receive) -> None:
+async def _wait_disconnect(receive: Receive) -> None:
     while (await receive())["type"] != "http.disconnect":
         pass
 

@@ -105,7 +105,8 @@ async def server_config(session: aiohttp.ClientSession, base_url: str) -> dict |
     try:
         async with session.get(base_url.rstrip("/") + "/server_info") as resp:
             if resp.status == 200:
-                return redact(await resp.json(content_type=None))
+                info: dict[str, Any] = redact(await resp.json(content_type=None))
+                return info
     except (aiohttp.ClientError, TimeoutError, ValueError):
         pass
     return None

@@ -29,9 +29,10 @@ def summarize(name: str, values_s: Iterable[float], percentiles: Sequence[float]
     """mean/median/std and the given percentiles of `values_s` (seconds), in milliseconds.
     An empty sample gives None rather than a made-up zero."""
     ms = np.asarray(list(values_s), dtype=float) * 1000.0
-    stats = {"mean": np.mean, "median": np.median, "std": np.std}
     out: dict[str, float | None] = {
-        f"{stat}_{name}_ms": (float(fn(ms)) if ms.size else None) for stat, fn in stats.items()}
+        f"mean_{name}_ms": float(np.mean(ms)) if ms.size else None,
+        f"median_{name}_ms": float(np.median(ms)) if ms.size else None,
+        f"std_{name}_ms": float(np.std(ms)) if ms.size else None}
     for p in percentiles:
         out[f"{percentile_key(p)}_{name}_ms"] = float(np.percentile(ms, p)) if ms.size else None
     return out

@@ -1,6 +1,7 @@
 """PNG plots: latency and TPOT distributions of one run, latency against offered load."""
 from __future__ import annotations
 
+from types import ModuleType
 from typing import Sequence
 
 import numpy as np
@@ -9,7 +10,7 @@ from meshserve.bench.metrics import percentile_key
 from meshserve.bench.report import TITLES
 
 
-def _pyplot():
+def _pyplot() -> ModuleType:
     import matplotlib
 
     matplotlib.use("Agg")  # files only; never needs a display

@@ -135,7 +135,8 @@ def save_json(obj: dict, path: str) -> str:
 def load_json(path: str) -> dict:
     try:
         with open(path, encoding="utf-8") as f:
-            return json.load(f)
+            result: dict[str, Any] = json.load(f)
+            return result
     except (OSError, json.JSONDecodeError) as exc:
         raise ValueError(f"cannot read result file {path!r}: {exc}") from None
 

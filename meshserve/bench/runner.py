@@ -6,7 +6,7 @@ import dataclasses
 import datetime as dt
 import math
 import time
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import aiohttp
 import numpy as np
@@ -23,6 +23,9 @@ from meshserve.bench.tokenization import (
     PromptTokenizer,
     ServerTokenizer,
 )
+
+if TYPE_CHECKING:
+    from tqdm import tqdm
 
 WARMUP_SEED_OFFSET = 1_000_003  # far from the offsets of the timed runs (0, 1, 2, ...)
 
@@ -59,7 +62,7 @@ class Benchmark:
             raise
         return self
 
-    async def __aexit__(self, *exc) -> None:
+    async def __aexit__(self, *exc: object) -> None:
         assert self._session is not None
         await self._session.close()
 
@@ -197,7 +200,7 @@ class Benchmark:
         }
 
 
-def _progress(total: int, enabled: bool):
+def _progress(total: int, enabled: bool) -> tqdm:
     from tqdm import tqdm
 
     return tqdm(total=total, disable=not enabled, unit="req", desc="requests", leave=False)

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import os
-from typing import Protocol, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 import aiohttp
 
@@ -37,13 +38,15 @@ class ServerTokenizer:
                 raise RuntimeError(
                     f"{self._base}{path} answered HTTP {resp.status}; pass --tokenizer PATH "
                     "to count tokens locally instead")
-            return await resp.json()
+            answer: dict[str, Any] = await resp.json()
+            return answer
 
     async def encode(self, text: str) -> list[int]:
         return list((await self._post("/tokenize", {"prompt": text}))["tokens"])
 
     async def decode(self, ids: Sequence[int]) -> str:
-        return (await self._post("/detokenize", {"tokens": [int(i) for i in ids]}))["prompt"]
+        text: str = (await self._post("/detokenize", {"tokens": [int(i) for i in ids]}))["prompt"]
+        return text
 
 
 class LocalTokenizer:
@@ -52,18 +55,26 @@ class LocalTokenizer:
 
     def __init__(self, path: str) -> None:
         json_path = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
+        self._encode: Callable[[str], list[int]]
+        self._decode: Callable[[list[int]], str]
         if os.path.isfile(json_path) and json_path.endswith(".json"):
             from tokenizers import Tokenizer
 
-            tok = Tokenizer.from_file(json_path)
-            self._encode = lambda text: tok.encode(text).ids
-            self._decode = lambda ids: tok.decode(list(ids), skip_special_tokens=True)
+            fast = Tokenizer.from_file(json_path)
+            self._encode = lambda text: fast.encode(text).ids
+            self._decode = lambda ids: fast.decode(list(ids), skip_special_tokens=True)
         elif os.path.isdir(path):
             from transformers import AutoTokenizer
 
-            tok = AutoTokenizer.from_pretrained(path)
-            self._encode = lambda text: tok(text)["input_ids"]
-            self._decode = lambda ids: tok.decode(list(ids), skip_special_tokens=True)
+            auto = AutoTokenizer.from_pretrained(path)
+            self._encode = lambda text: auto(text)["input_ids"]
+
+            def decode(ids: list[int]) -> str:
+                text = auto.decode(list(ids), skip_special_tokens=True)
+                assert isinstance(text, str), "one sequence of ids decodes to one string"
+                return text
+
+            self._decode = decode
         else:
             raise ValueError(f"--tokenizer {path!r} is neither a tokenizer.json file nor a "
                              "tokenizer directory")

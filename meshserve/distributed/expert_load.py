@@ -21,6 +21,8 @@ travels in the engine stats to the server's metrics and its /moe/expert_load end
 """
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 
@@ -70,7 +72,7 @@ class ExpertLoadStats:
             for e, n in enumerate(counts):
                 total[e] += n
 
-    def snapshot(self) -> dict:
+    def snapshot(self) -> dict[str, Any]:
         """Plain numbers (this crosses process boundaries inside the engine stats); {} for a dense model."""
         if not self.totals:
             return {}
@@ -94,7 +96,7 @@ def max_to_mean(rows: list[list[int]]) -> float:
     return peak / mean if mean > 0 else 1.0
 
 
-def summarize(snapshot: dict) -> dict:
+def summarize(snapshot: dict[str, Any]) -> dict[str, Any]:
     """The full matrix with per-layer and overall loads and ratios (what /moe/expert_load returns)."""
     if not snapshot:
         return {"moe": False}
@@ -111,7 +113,7 @@ def summarize(snapshot: dict) -> dict:
     }
 
 
-def merge_snapshots(snapshots: list[dict]) -> dict:
+def merge_snapshots(snapshots: list[dict[str, Any]]) -> dict[str, Any]:
     """Replicas of the same model (data parallelism): tokens add up layer by layer."""
     snapshots = [s for s in snapshots if s]
     if not snapshots:
@@ -122,7 +124,7 @@ def merge_snapshots(snapshots: list[dict]) -> dict:
     return out
 
 
-def format_expert_load_table(snapshot: dict) -> str:
+def format_expert_load_table(snapshot: dict[str, Any]) -> str:
     """Per MoE layer: tokens routed, the hottest expert, and the load of each EP rank."""
     s = summarize(snapshot)
     if not s["moe"]:
@@ -145,7 +147,7 @@ def format_expert_load_table(snapshot: dict) -> str:
     return "\n".join(lines)
 
 
-def format_expert_matrix_csv(snapshot: dict) -> str:
+def format_expert_matrix_csv(snapshot: dict[str, Any]) -> str:
     """layer, then one column per expert: the whole matrix, for a spreadsheet or a heat map."""
     n = snapshot["num_experts"]
     lines = ["layer," + ",".join(f"expert_{e}" for e in range(n))]

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import socket
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -54,7 +55,8 @@ class _Timed:
     __slots__ = ("kind", "start", "t0", "timer")
 
     def __init__(self, timer: CommTimer, kind: str) -> None:
-        self.timer, self.kind, self.start = timer, kind, None
+        self.timer, self.kind = timer, kind
+        self.start: torch.cuda.Event | None = None
 
     def __enter__(self) -> None:
         timer = self.timer
@@ -64,7 +66,7 @@ class _Timed:
             self.start = timer._event()
             self.start.record()
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         timer = self.timer
         if timer.device.type != "cuda":
             timer.add(self.kind, time.perf_counter() - self.t0)
@@ -80,7 +82,7 @@ class ParallelState:
     pp_size: int = 1
     tp_rank: int = 0
     pp_rank: int = 0
-    tp_group: object = None  # torch.distributed ProcessGroup of this rank's TP peers
+    tp_group: dist.ProcessGroup | None = None  # this rank's TP peers (None: the default group)
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     comm_timer: CommTimer = field(default_factory=CommTimer)
     # Expert parallelism: the MoE layers split whole experts over the TP ranks of a stage (EP = TP,
@@ -147,13 +149,15 @@ class ParallelState:
         with self.comm_timer.timed("send_recv"):
             dist.send(x.contiguous(), dst)
 
-    def isend(self, x: torch.Tensor, dst: int):
+    def isend(self, x: torch.Tensor, dst: int) -> dist.Work:
         """Start sending and return the work handle; the caller keeps `x` alive until it completes,
         so a pipeline stage computes its next micro-batch while this one is in flight."""
         with self.comm_timer.timed("send_recv"):
-            return dist.isend(x, dst)
+            work = dist.isend(x, dst)
+        assert work is not None, "None only for a rank outside the default group, and every rank is in it"
+        return work
 
-    def wait(self, works) -> None:
+    def wait(self, works: Sequence[dist.Work]) -> None:
         """Wait for sends to finish (on CUDA: make the compute stream wait for them)."""
         if not works:
             return
@@ -161,7 +165,7 @@ class ParallelState:
             for w in works:
                 w.wait()
 
-    def recv(self, shape, dtype, src: int) -> torch.Tensor:
+    def recv(self, shape: Sequence[int], dtype: torch.dtype, src: int) -> torch.Tensor:
         x = torch.empty(shape, dtype=dtype, device=self.device)
         with self.comm_timer.timed("send_recv"):
             dist.recv(x, src)
@@ -172,8 +176,8 @@ class ParallelState:
 _NATIVE_ALL_TO_ALL = True
 
 
-def _all_to_all_rows(out: torch.Tensor, x: torch.Tensor, recv_rows: list[int], send_rows: list[int], group,
-                     peers: list[int]) -> None:
+def _all_to_all_rows(out: torch.Tensor, x: torch.Tensor, recv_rows: list[int], send_rows: list[int],
+                     group: dist.ProcessGroup | None, peers: list[int]) -> None:
     global _NATIVE_ALL_TO_ALL
     if _NATIVE_ALL_TO_ALL:
         try:
@@ -186,8 +190,8 @@ def _all_to_all_rows(out: torch.Tensor, x: torch.Tensor, recv_rows: list[int], s
     _pairwise_all_to_all(out, x, recv_rows, send_rows, group, peers)
 
 
-def _pairwise_all_to_all(out: torch.Tensor, x: torch.Tensor, recv_rows: list[int], send_rows: list[int], group,
-                         peers: list[int]) -> None:
+def _pairwise_all_to_all(out: torch.Tensor, x: torch.Tensor, recv_rows: list[int], send_rows: list[int],
+                         group: dist.ProcessGroup | None, peers: list[int]) -> None:
     """The same exchange as point-to-point pairs: every rank posts all its sends and receives at once."""
     me = dist.get_rank()
     sends, recvs = x.split(send_rows), out.split(recv_rows)
@@ -214,7 +218,7 @@ def keep_gloo_on_loopback() -> None:
         os.environ["GLOO_SOCKET_IFNAME"] = loopback
 
 
-def init_distributed(rank: int, tp_size: int, pp_size: int, store, device: torch.device,
+def init_distributed(rank: int, tp_size: int, pp_size: int, store: dist.Store, device: torch.device,
                      timeout_s: float, expert_parallel: bool = False) -> ParallelState:
     """Join this replica's process group (through an already connected store) and build the TP groups.
     Gloo on CPU, NCCL on CUDA. Every rank creates every TP group, in the same order, as

@@ -10,7 +10,9 @@ balance would win back.
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 DENSE_COMM_KINDS = ("all_reduce", "all_gather", "send_recv")
 # Expert parallelism: tokens to their experts' ranks (with the routing counts), and the results back.
@@ -18,7 +20,7 @@ EXPERT_COMM_KINDS = ("all_to_all_dispatch", "all_to_all_combine")
 COMM_KINDS = DENSE_COMM_KINDS + EXPERT_COMM_KINDS
 
 
-def comm_kinds_in(comm_by_rank) -> tuple[str, ...]:
+def comm_kinds_in(comm_by_rank: Iterable[Iterable[str]]) -> tuple[str, ...]:
     """The kinds to show: always the dense ones, the expert-parallel ones only where some rank used
     them (a dense model's table and series stay as they were)."""
     seen = {k for comm in comm_by_rank for k in comm}
@@ -65,9 +67,11 @@ class TimingStats:
         for t in timings:
             self.totals.setdefault(t.rank, RankTiming(t.rank)).add(t)
 
-    def snapshot(self) -> dict:
+    def snapshot(self) -> dict[str, Any]:
         """Plain, picklable numbers (this crosses process boundaries inside engine stats)."""
-        as_dict = lambda t: {"compute": t.compute_s, "comm": dict(t.comm_s)}  # noqa: E731
+        def as_dict(t: RankTiming) -> dict[str, Any]:
+            return {"compute": t.compute_s, "comm": dict(t.comm_s)}
+
         return {"steps": self.steps,
                 "last": {t.rank: as_dict(t) for t in self.last},
                 "total": {r: as_dict(t) for r, t in sorted(self.totals.items())}}

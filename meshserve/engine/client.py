@@ -11,8 +11,9 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
+from collections.abc import AsyncGenerator, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable, Protocol, Sequence
+from typing import Any, Protocol
 
 from meshserve.distributed.expert_load import merge_snapshots
 from meshserve.distributed.placement import ReplicaPlacement, available_cores, place
@@ -35,7 +36,7 @@ from meshserve.engine.messages import (
     StatsUpdate,
     StepOutput,
 )
-from meshserve.engine.protocol import EngineProtocol
+from meshserve.engine.protocol import EngineProtocol, TokenizerProtocol
 from meshserve.engine.supervisor import EngineSupervisor, SupervisorCallbacks, SupervisorPolicy
 from meshserve.routing.policies import LeastLoad, ReplicaLoad, RouteRequest, RoutingPolicy
 from meshserve.sampling_params import SamplingParams
@@ -62,10 +63,14 @@ class EngineCallError(ValueError):
         self.unsupported = unsupported
 
 
+# What reaches a request's generate() loop: a delta with the time of its step, or why it ended.
+Delivery = tuple[RequestDelta, float] | Exception
+
+
 @dataclass(slots=True)
 class PendingRequest:
     """What the front end tracks per engine request; timestamps are the engine's monotonic clock."""
-    sink: asyncio.Queue
+    sink: asyncio.Queue[Delivery]
     engine: int
     arrival_time: float
     num_seqs: int = 1
@@ -87,8 +92,8 @@ class ClientListener(Protocol):
 @dataclass
 class EngineInfo:
     model: ModelInfo
-    config: dict
-    tokenizer: Any = field(repr=False)
+    config: dict[str, Any]
+    tokenizer: TokenizerProtocol = field(repr=False)
 
 
 _SUMMED = ("num_running", "num_waiting", "prefix_cache_queries", "prefix_cache_hits", "num_prompt_tokens",
@@ -117,7 +122,7 @@ class EngineClient:
         self._stats: list[EngineStats | None] = [None] * len(factories)
         self._outstanding = [0] * len(factories)
         self._requests: dict[str, PendingRequest] = {}
-        self._calls: dict[int, tuple[int, asyncio.Future]] = {}  # reply id -> (engine, its answer)
+        self._calls: dict[int, tuple[int, asyncio.Future[Any]]] = {}  # reply id -> (engine, its answer)
         self._reply_ids = itertools.count()
         self.routing: RoutingPolicy = LeastLoad()
         self.listener = listener
@@ -149,7 +154,7 @@ class EngineClient:
         """At least one engine takes work."""
         return bool(self.supervisor.alive_ranks())
 
-    def health(self) -> dict:
+    def health(self) -> dict[str, Any]:
         sup = self.supervisor
         alive = len(sup.alive_ranks())
         status = ("stopping" if sup.closing else "failed" if sup.gave_up
@@ -187,10 +192,11 @@ class EngineClient:
 
     def _on_engine_death(self, rank: int, reason: str) -> None:
         self._stats[rank] = None  # a dead engine's figures must not linger in /metrics
-        failed = [rid for rid, s in self._requests.items() if s.engine == rank]
-        for rid in failed:
-            self._finish(rid).sink.put_nowait(EngineDeadError(f"engine {rank} stopped while serving "
-                                                              "this request; it is being restarted"))
+        failed = [(rid, state) for rid, state in self._requests.items() if state.engine == rank]
+        for rid, state in failed:
+            self._finish(rid)
+            state.sink.put_nowait(EngineDeadError(f"engine {rank} stopped while serving "
+                                                  "this request; it is being restarted"))
         if failed and self.listener is not None:
             self.listener.on_failed(len(failed))
         for reply_id, (engine, future) in list(self._calls.items()):
@@ -248,7 +254,7 @@ class EngineClient:
         self.routing.on_dispatch(rank, request)
         return rank
 
-    def abort(self, request_ids) -> None:
+    def abort(self, request_ids: Iterable[str]) -> None:
         by_engine: dict[int, list[str]] = {}
         for rid in request_ids:
             state = self._finish(rid)
@@ -260,13 +266,14 @@ class EngineClient:
             self.listener.on_aborted(sum(len(v) for v in by_engine.values()))
 
     async def generate(self, requests: Sequence[tuple[str, list[int], SamplingParams]],
-                       arrival_time: float | None = None, lease_id: str | None = None) -> AsyncIterator[RequestDelta]:
+                       arrival_time: float | None = None,
+                       lease_id: str | None = None) -> AsyncGenerator[RequestDelta, None]:
         """Submit engine requests together and yield their deltas as they come, interleaved.
         `lease_id`: a reservation from reserve(); it covers one engine request.
 
         Leaving early (client gone, consumer cancelled or closed) aborts what has not finished."""
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        sink: asyncio.Queue = asyncio.Queue()
+        sink: asyncio.Queue[Delivery] = asyncio.Queue()
         pending = set()
         if lease_id is not None and len(requests) != 1:
             raise EngineCallError("a reservation covers one prompt; this request has "
@@ -295,8 +302,9 @@ class EngineClient:
                 self.abort(pending)
 
     # ---- calls: reservations, answered by the engines ----------------------------------------
-    async def call(self, rank: int, method: CallMethod, argument=None):
-        """Ask engine `rank` and wait for its answer. EngineCallError: it refused; EngineDeadError:
+    async def call(self, rank: int, method: CallMethod, argument: object = None) -> Any:
+        """Ask engine `rank` and wait for its answer (of the type `CallMethod` names for `method`:
+        the pipe carries any object). EngineCallError: it refused; EngineDeadError:
         it is not running (or died before answering)."""
         if not self.supervisor.is_alive(rank):
             raise EngineDeadError(f"engine {rank} is not running")
@@ -317,7 +325,7 @@ class EngineClient:
             raise EngineDeadError("no engine is running")
         for rank in live:
             try:
-                lease = await self.call(rank, CallMethod.RESERVE, req)
+                lease: LeaseInfo | None = await self.call(rank, CallMethod.RESERVE, req)
             except EngineDeadError:
                 continue
             if lease is not None:
@@ -355,12 +363,12 @@ class EngineClient:
     def _live_stats(self) -> list[EngineStats]:
         return [s for rank in self.supervisor.alive_ranks() if (s := self._stats[rank]) is not None]
 
-    def parallel_timing(self) -> dict | None:
+    def parallel_timing(self) -> dict[str, Any] | None:
         """Per-rank step timing of the first live engine (rank labels of several replicas would collide)."""
         live = self._live_stats()
         return live[0].parallel_timing if live else None
 
-    def expert_load(self) -> dict:
+    def expert_load(self) -> dict[str, Any]:
         """Tokens routed per MoE layer and expert, added over the engines ({} for a dense model)."""
         return merge_snapshots([s.expert_load for s in self._live_stats()])
 

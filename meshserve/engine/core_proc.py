@@ -16,7 +16,7 @@ import signal
 import time
 import traceback
 from multiprocessing.connection import Connection, wait
-from typing import Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from meshserve.distributed.placement import ReplicaPlacement, apply_replica_placement
 from meshserve.engine.block_manager import ReservationError
@@ -42,8 +42,11 @@ from meshserve.engine.messages import (
 from meshserve.engine.protocol import EngineProtocol, UnsupportedCall
 from meshserve.utils.watchdog import exit_when_parent_goes
 
+if TYPE_CHECKING:
+    from meshserve.config import EngineConfig
 
-def build_llm_engine(config) -> EngineProtocol:
+
+def build_llm_engine(config: EngineConfig) -> EngineProtocol:
     from meshserve.engine.llm_engine import LLMEngine
     return LLMEngine(config)
 
@@ -55,7 +58,7 @@ class EngineLoop:
         self.outbox = outbox
         self._last_stats: EngineStats | None = None
         self._last_ipc_s: float | None = None
-        self._calls: dict[CallMethod, Callable] = {
+        self._calls: dict[CallMethod, Callable[[Any], object]] = {
             CallMethod.RESERVE: engine.reserve, CallMethod.RELEASE: engine.release_lease,
             CallMethod.LEASES: lambda _: engine.leases()}
 

@@ -9,9 +9,10 @@ import logging
 import sys
 import time
 import uuid
+from typing import TYPE_CHECKING, Any
 
 from meshserve.config import EngineConfig
-from meshserve.engine.block_manager import BlockManager
+from meshserve.engine.block_manager import BlockManager, Lease
 from meshserve.engine.messages import EngineStats, LeaseInfo, LeaseLedger, ModelInfo, RequestDelta, ReserveRequest
 from meshserve.engine.output import EngineRequest
 from meshserve.engine.scheduler import Scheduler, SchedulerOutput
@@ -23,6 +24,9 @@ from meshserve.sampling_params import SamplingParams
 from meshserve.tokenizer import Tokenizer
 from meshserve.worker.executor import WorkerFailure
 from meshserve.worker.factory import make_executor
+
+if TYPE_CHECKING:
+    from meshserve.layers.sampler import SamplerOutput
 
 logger = logging.getLogger("meshserve")
 
@@ -85,7 +89,7 @@ class LLMEngine:
         return ModelInfo(self.config.served_model_name or self.source.model_id, self.max_model_len,
                          self.source.revision, self.vocab_size)
 
-    def config_dict(self) -> dict:
+    def config_dict(self) -> dict[str, Any]:
         return self.config.to_dict()
 
     # ---- requests ----------------------------------------------------------------------
@@ -196,7 +200,8 @@ class LLMEngine:
         for state in failed.values():
             state.error = f"the engine step failed: {type(exc).__name__}: {exc}"
             self._finish_request(state, "error")
-            deltas.append(state.take_delta())
+            if (delta := state.take_delta()) is not None:  # always: its finish has not gone out yet
+                deltas.append(delta)
         return deltas
 
     def _step_input(self, sched: SchedulerOutput) -> StepInput:
@@ -218,7 +223,7 @@ class LLMEngine:
         finished, self._finished_seq_ids = self._finished_seq_ids, []
         return StepInput(seqs, finished)
 
-    def _update(self, sched: SchedulerOutput, sampled) -> list[RequestDelta]:
+    def _update(self, sched: SchedulerOutput, sampled: SamplerOutput | None) -> list[RequestDelta]:
         now = time.monotonic()
         touched: dict[str, EngineRequest] = {}
         row = 0
@@ -230,6 +235,7 @@ class LLMEngine:
             if seq.params.has_penalties:
                 seq.sampler_has_history = True
             state = self.seq_to_request[seq.seq_id]
+            assert sampled is not None, "the executor samples in every step that completes a sequence"
             self._append_token(state, seq, sampled.token_ids[row], sampled.logprobs[row], now)
             row += 1
             touched[state.request_id] = state
@@ -242,7 +248,8 @@ class LLMEngine:
                 self._retire(state, now)
         return deltas
 
-    def _append_token(self, state: EngineRequest, seq: Sequence, token: int, lp, now: float) -> None:
+    def _append_token(self, state: EngineRequest, seq: Sequence, token: int,
+                      lp: tuple[float, list[tuple[int, float]]] | None, now: float) -> None:
         seq.token_ids.append(token)
         self.num_generation_tokens += 1
         m = state.metrics
@@ -254,8 +261,8 @@ class LLMEngine:
         p = seq.params
         reason, stop_reason = None, None
         may_stop = seq.num_output_tokens >= p.min_tokens
-        if may_stop and (token in p.stop_token_ids or token in state.eos_token_ids):
-            reason, stop_reason = "stop", (token if token in p.stop_token_ids else None)
+        if may_stop and (token in p.stop_ids or token in state.eos_token_ids):
+            reason, stop_reason = "stop", (token if token in p.stop_ids else None)
         elif p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens:
             reason = "length"
         elif seq.num_tokens >= self.max_model_len:
@@ -264,7 +271,7 @@ class LLMEngine:
         sample.append(token, lp, final=reason is not None, check_stops=may_stop)
         if reason is not None:
             sample.finish(reason, stop_reason)
-        if sample.finished:
+        if sample.finish_reason is not None:  # it finished, with this token or a stop string in its text
             self.scheduler.finish(seq, sample.finish_reason, sample.stop_reason)
 
     # ---- reservations ------------------------------------------------------------------
@@ -306,7 +313,7 @@ class LLMEngine:
                            bm.peak_reserved, [self._lease_info(lease, now) for lease in bm.leases.values()])
 
     @staticmethod
-    def _lease_info(lease, now: float) -> LeaseInfo:
+    def _lease_info(lease: Lease, now: float) -> LeaseInfo:
         return LeaseInfo(lease.lease_id, lease.request_id, lease.attempt_id, lease.blocks, len(lease.pinned),
                          lease.taken, lease.bound_to is not None, round(lease.expires_at - now, 3))
 
@@ -329,7 +336,7 @@ class LLMEngine:
         """Raise (WorkerFailure) if a rank is gone, even while no request is running."""
         self.executor.check_health()
 
-    def health_watch(self) -> tuple[list, float | None]:
+    def health_watch(self) -> tuple[list[int], float | None]:
         """What an idle engine process waits on besides its inbox: rank sentinels, and how often to
         call check_health when there are none to wait on."""
         return self.executor.sentinels(), self.executor.health_check_interval

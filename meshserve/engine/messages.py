@@ -52,7 +52,7 @@ class LeaseInfo:
     bound: bool
     expires_in_s: float
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
@@ -111,11 +111,11 @@ class EngineStats:
     last_step_compute_s: float = 0.0
     last_step_comm_s: float = 0.0
     # Per-rank compute/communication seconds (last step and totals): Executor.timing_snapshot().
-    parallel_timing: dict = field(default_factory=dict)
+    parallel_timing: dict[str, Any] = field(default_factory=dict)
     # MoE models: tokens routed to each expert of each layer ({} for dense): Executor.expert_load_snapshot().
-    expert_load: dict = field(default_factory=dict)
+    expert_load: dict[str, Any] = field(default_factory=dict)
     # Seconds of the last step in each phase (engine/step_timeline.py); "ipc" is added by the engine process.
-    step_phases: dict = field(default_factory=dict)
+    step_phases: dict[str, float] = field(default_factory=dict)
 
     @property
     def unpromised_free_blocks(self) -> int:
@@ -135,7 +135,7 @@ class ModelInfo:
     revision: str | None = None
     vocab_size: int | None = None
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
@@ -180,7 +180,7 @@ EngineOp = AddRequest | AbortRequests | EngineCall | Shutdown
 class EngineReady:
     model: ModelInfo
     tokenizer: Any = field(repr=False)
-    config: dict = field(default_factory=dict)  # the engine's resolved configuration (JSON values)
+    config: dict[str, Any] = field(default_factory=dict)  # the engine's resolved configuration (JSON values)
 
 
 @dataclass(slots=True)

@@ -22,10 +22,10 @@ class SampleState:
     def __init__(self, index: int, detok: IncrementalDetokenizer, params: SamplingParams) -> None:
         self.index = index
         self.detok = detok
-        self.stops = params.stop
+        self.stops = params.stop_strings
         self.include_stop = params.include_stop_str_in_output
         # While a stop string may still match, its first len - 1 characters must not go out yet.
-        self.holdback = max((len(s) for s in params.stop), default=1) - 1
+        self.holdback = max((len(s) for s in self.stops), default=1) - 1
         self.token_ids: list[int] = []
         self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
         self.emitted_chars = 0  # characters handed out in deltas

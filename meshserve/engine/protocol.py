@@ -6,6 +6,7 @@ calls methods, never probes for them. Checked statically (mypy) and at run time
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
 from meshserve.engine.messages import EngineStats, LeaseInfo, LeaseLedger, ModelInfo, RequestDelta, ReserveRequest
@@ -16,14 +17,26 @@ class UnsupportedCall(Exception):
     """An engine without reservations raises it from reserve/release_lease/leases."""
 
 
+class TokenizerProtocol(Protocol):
+    """What the front end asks of an engine's tokenizer (`meshserve.tokenizer.Tokenizer`; it may also
+    read `vocab_size`, `chat_template` and `identity()` where they exist)."""
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str: ...
+
+
 @runtime_checkable
 class EngineProtocol(Protocol):
-    tokenizer: Any
+    @property
+    def tokenizer(self) -> TokenizerProtocol: ...
 
     @property
     def model_info(self) -> ModelInfo: ...
 
-    def config_dict(self) -> dict:
+    def config_dict(self) -> dict[str, Any]:
         """The resolved configuration, JSON values only (for /server_info)."""
         ...
 
@@ -54,7 +67,7 @@ class EngineProtocol(Protocol):
         """Raise if a rank is gone, even while no request runs."""
         ...
 
-    def health_watch(self) -> tuple[list, float | None]:
+    def health_watch(self) -> tuple[list[int], float | None]:
         """What an idle loop waits on besides its inbox (handles that become ready when a rank
         dies), and how often to call check_health when there are none."""
         ...

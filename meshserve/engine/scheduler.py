@@ -141,22 +141,24 @@ class Scheduler:
                 return seq
         return None
 
-    def _prefill_allowance(self) -> int | float:
+    def _prefill_allowance(self) -> int:
         """Prompt tokens this step may compute. With a cap set and sequences decoding, prompts join
         the step at most `prefill_chunk_with_decodes` tokens at a time, so that a long prompt is
         spread over several steps instead of stalling every running stream for one long step. A
         backlog of more prompt tokens than one step takes is cleared in full steps: trickling it in
-        would lengthen every queued prompt's wait and the streams would stall as long overall."""
+        would lengthen every queued prompt's wait and the streams would stall as long overall.
+        Uncapped, the allowance is the whole step's token budget, which bounds prompt tokens anyway."""
+        uncapped = self.max_num_batched_tokens
         cap = self.prefill_chunk_with_decodes
         if cap is None or not self.enable_chunked_prefill:
-            return float("inf")
+            return uncapped
         if not any(s.num_tokens - s.num_computed_tokens == 1 for s in self.running):
-            return float("inf")
+            return uncapped
         backlog = 0
         for seq in self.waiting:  # stops at one step's worth: a long queue costs no more
             backlog += seq.num_tokens - seq.num_computed_tokens
             if backlog > self.max_num_batched_tokens:
-                return float("inf")
+                return uncapped
         return cap
 
     def _preempt(self, seq: Sequence) -> None:
@@ -166,7 +168,7 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
-    def finish(self, seq: Sequence, reason: str, stop_reason=None) -> None:
+    def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
         """Finish (or abort) a sequence wherever it is and return its blocks to the pool."""
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)

@@ -3,8 +3,12 @@ from __future__ import annotations
 
 import enum
 import itertools
+from typing import TYPE_CHECKING
 
 from meshserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from meshserve.engine.block_manager import Lease
 
 _ids = itertools.count()
 
@@ -35,7 +39,7 @@ class Sequence:
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
         self.sampler_has_history = False  # the sampling rank holds its penalty state
-        self.lease = None  # block_manager.Lease its blocks are promised by (never preempted then)
+        self.lease: Lease | None = None  # the lease its blocks are promised by (never preempted then)
 
     @property
     def num_tokens(self) -> int:

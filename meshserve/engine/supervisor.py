@@ -23,6 +23,8 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
 from typing import Callable, Sequence
 
 from meshserve.distributed.placement import ReplicaPlacement
@@ -57,12 +59,12 @@ class SupervisorCallbacks:
 class _Incarnation:
     """One process of an engine replica, with its pipes and I/O threads."""
 
-    def __init__(self, process, inbox, outbox, parent_alive) -> None:
+    def __init__(self, process: BaseProcess, inbox: Connection, outbox: Connection, parent_alive: Connection) -> None:
         self.process = process
         self.inbox = inbox    # we write ops here
         self.outbox = outbox  # we read events here
         self.parent_alive = parent_alive  # closing it tells the engine its front end is gone
-        self.ops: queue.SimpleQueue = queue.SimpleQueue()
+        self.ops: queue.SimpleQueue[EngineOp | None] = queue.SimpleQueue()  # None: stop the sender
         self.threads: list[threading.Thread] = []
 
     def close(self) -> None:
@@ -107,6 +109,13 @@ class EngineSupervisor:
         return [r.rank for r in self._replicas if r.alive and not self.closing]
 
     @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        """The event loop that attach() named: the I/O and restart threads only run after it."""
+        if self._loop is None:
+            raise RuntimeError("the engine supervisor is not attached to an event loop")
+        return self._loop
+
+    @property
     def restarts(self) -> int:
         return sum(r.restarts for r in self._replicas)
 
@@ -120,13 +129,15 @@ class EngineSupervisor:
     def start(self, timeout: float | None = None) -> list[EngineReady]:
         """Spawn the engines and wait until each has loaded its model (blocking)."""
         timeout = self.policy.start_timeout_s if timeout is None else timeout
+        spawned = []
         for r in self._replicas:
-            r.current = self._spawn(r)
+            r.current = inc = self._spawn(r)
+            spawned.append((r, inc))
         deadline = time.monotonic() + timeout
         ready = []
-        for r in self._replicas:
+        for r, inc in spawned:
             try:
-                ready.append(self._wait_ready(r, r.current, deadline))
+                ready.append(self._wait_ready(r, inc, deadline))
             except BaseException:
                 self.shutdown()
                 raise
@@ -135,9 +146,12 @@ class EngineSupervisor:
 
     def attach(self, loop: asyncio.AbstractEventLoop) -> None:
         """Start the I/O threads; events are reported on `loop`."""
+        started = [(r, r.current) for r in self._replicas if r.current is not None]
+        if len(started) != len(self._replicas):
+            raise RuntimeError("the engines were never started: call start() before attach()")
         self._loop = loop
-        for r in self._replicas:
-            self._start_io(r, r.current)
+        for r, inc in started:
+            self._start_io(r, inc)
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop every engine: ask, wait up to `timeout`, then SIGKILL (engines ignore SIGTERM)."""
@@ -244,7 +258,7 @@ class EngineSupervisor:
             fatal = isinstance(event, EngineFatal)
             if self.closing and fatal:
                 return
-            self._loop.call_soon_threadsafe(self._on_event, r, inc, event)
+            self.loop.call_soon_threadsafe(self._on_event, r, inc, event)
             if fatal:
                 return
 
@@ -286,7 +300,8 @@ class EngineSupervisor:
 
     def _restart(self, r: _Replica, backoff: float) -> None:
         """Restart thread: wait out the backoff, start a new process, wait until it is ready."""
-        self._end(r.current, grace=0.0)  # reap it (it is dead, or wedged past saving)
+        if r.current is not None:  # reap it (it is dead, or wedged past saving)
+            self._end(r.current, grace=0.0)
         if self._stop.wait(backoff):
             return
         logger.warning("restarting engine %d", r.rank)
@@ -295,9 +310,9 @@ class EngineSupervisor:
             self._wait_ready(r, inc, time.monotonic() + self.policy.start_timeout_s)
         except (RuntimeError, ValueError) as exc:
             if not self.closing:
-                self._loop.call_soon_threadsafe(self._on_restart_failed, r, inc, str(exc))
+                self.loop.call_soon_threadsafe(self._on_restart_failed, r, inc, str(exc))
             return
-        self._loop.call_soon_threadsafe(self._on_restarted, r, inc)
+        self.loop.call_soon_threadsafe(self._on_restarted, r, inc)
 
     def _on_restarted(self, r: _Replica, inc: _Incarnation) -> None:
         if self.closing:

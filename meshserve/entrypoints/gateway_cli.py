@@ -3,6 +3,11 @@ from __future__ import annotations
 
 import argparse
 import os
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from meshserve.gateway.config import GatewayConfig
+    from meshserve.routing.policies import CacheAwareConfig
 
 _EPILOG = """\
 examples:
@@ -14,7 +19,7 @@ examples:
 """
 
 
-def register(subparsers) -> None:
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     from meshserve.routing.policies import POLICIES, CacheAwareConfig
 
     d = CacheAwareConfig()
@@ -36,7 +41,7 @@ def register(subparsers) -> None:
     p.set_defaults(func=run)
 
 
-def add_gateway_options(p: argparse.ArgumentParser, d, shared: bool = True) -> None:
+def add_gateway_options(p: argparse.ArgumentParser, d: CacheAwareConfig, shared: bool = True) -> None:
     """The gateway's tuning flags (also offered by `meshserve serve --gateway`, which has its own
     --api-key and --log-level: `shared=False` leaves those out)."""
     g = p.add_argument_group("cache_aware cost: max(0, P - c*m) + Q + beta*D over replicas within the slack")
@@ -86,7 +91,7 @@ def add_gateway_options(p: argparse.ArgumentParser, d, shared: bool = True) -> N
         o.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
-def config_from_args(args: argparse.Namespace, backends: list[str], host: str, port: int):
+def config_from_args(args: argparse.Namespace, backends: list[str], host: str, port: int) -> GatewayConfig:
     from meshserve.routing.policies import CacheAwareConfig
     from meshserve.gateway.config import GatewayConfig
 

@@ -6,7 +6,7 @@ import json
 import sys
 
 
-def register(sub) -> None:
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     from meshserve.config import EngineConfig
 
     p = sub.add_parser(

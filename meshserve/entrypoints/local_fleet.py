@@ -15,8 +15,14 @@ import os
 import signal
 import sys
 import tempfile
+from collections.abc import Callable
+from types import FrameType
+from typing import TYPE_CHECKING
 
 from meshserve.utils.server_process import LaunchedServer, free_port
+
+if TYPE_CHECKING:
+    from meshserve.gateway.config import GatewayConfig
 
 logger = logging.getLogger(__name__)
 
@@ -42,11 +48,12 @@ def replica_argv(argv: list[str], parser: argparse.ArgumentParser, dropped: set[
     return out
 
 
-def _raise_exit(signum, frame) -> None:
+def _raise_exit(signum: int, frame: FrameType | None) -> None:
     raise SystemExit(128 + signum)
 
 
-def run_fleet(args: argparse.Namespace, argv: list[str], gateway_config_from_args) -> int:
+def run_fleet(args: argparse.Namespace, argv: list[str],
+              gateway_config_from_args: Callable[[argparse.Namespace, list[str], str, int], GatewayConfig]) -> int:
     """Start the replicas, then the gateway (blocking); stop them all on the way out."""
     from meshserve.gateway.app import serve
 

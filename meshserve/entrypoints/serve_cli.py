@@ -16,7 +16,7 @@ examples:
 """
 
 
-def register(subparsers) -> None:
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     from meshserve.config import EngineConfig
 
     p = subparsers.add_parser(

@@ -21,7 +21,7 @@ import collections
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -94,7 +94,8 @@ class Reserver:
         self.config = config
         self._timeout = aiohttp.ClientTimeout(total=config.probe_timeout_s + 5, sock_connect=config.connect_timeout_s)
 
-    async def reserve(self, replica: Replica, req: AdmissionRequest, token_ids, max_tokens: int) -> LeaseRecord | None:
+    async def reserve(self, replica: Replica, req: AdmissionRequest, token_ids: Sequence[int],
+                      max_tokens: int) -> LeaseRecord | None:
         """A lease, or None when the replica's engine refused (not enough unpromised blocks).
         aiohttp.ClientError / TimeoutError: the replica did not answer."""
         body = {"prompt_token_ids": list(token_ids), "max_tokens": max_tokens, "n": req.n,
@@ -151,7 +152,7 @@ class Reserver:
 @dataclass
 class _Waiter:
     req: AdmissionRequest
-    future: asyncio.Future
+    future: asyncio.Future[Placement]
 
 
 class Admission:
@@ -281,7 +282,7 @@ class Admission:
             replica = next(r for r in pool if r.index == chosen.index)
             scores = list(getattr(self.policy, "last_scores", []))
             lease = None
-            if req.reserve and replica.identity.reservations:
+            if req.reserve and replica.known_identity.reservations:
                 try:
                     lease = await self.reserver.reserve(replica, req, req.route.prompt_token_ids, req.max_tokens)
                 except (aiohttp.ClientError, TimeoutError) as exc:

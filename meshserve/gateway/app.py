@@ -12,6 +12,7 @@ import asyncio
 import itertools
 import logging
 import time
+from collections.abc import AsyncGenerator
 from typing import Any
 
 import aiohttp
@@ -30,7 +31,13 @@ from meshserve.api.middleware import (
     RequestContextMiddleware,
     install_error_handlers,
 )
-from meshserve.api.protocol import ChatCompletionRequest, CompletionRequest
+from meshserve.api.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    is_text_batch,
+    is_token_batch,
+    is_token_ids,
+)
 from meshserve.api.sse import (
     EventStreamResponse,
     JSONBytesResponse,
@@ -45,6 +52,7 @@ from meshserve.gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from meshserve.gateway.replicas import Replica, ReplicaIdentity, ReplicaSet
 from meshserve.gateway.tenants import Tenants
 from meshserve.gateway.tracing import Tracing, setup_tracing
+from meshserve.gateway.upstream import Attempt
 from meshserve.sampling_params import is_greedy
 
 logger = logging.getLogger(__name__)
@@ -98,7 +106,7 @@ class Gateway:
         request_id = request.state.request_id
         chat = endpoint.endswith("/chat/completions")
         raw = await read_json(request, self.config.max_body_bytes)
-        req = parse(ChatCompletionRequest if chat else CompletionRequest, raw)
+        req = parse(ChatCompletionRequest, raw) if chat else parse(CompletionRequest, raw)
         tenant_name = "unknown"
         span = self.tracing.tracer.start_span(f"POST {endpoint}", context=Tracing.incoming(request.headers),
                                               attributes={"meshserve.request_id": request_id,
@@ -108,10 +116,10 @@ class Gateway:
                 tenant = self.tenants.authenticate(request.headers.get("authorization", ""))
                 tenant_name = tenant.name
                 deadline = Deadline.from_header(request.headers.get(DEADLINE_HEADER), self.config.max_queue_wait_s)
-                like, prompts, max_model_len = await self._tokenize(req, raw, chat)
+                like, prompts, max_model_len = await self._tokenize(req, raw)
                 prompt_tokens = sum(len(p) for p in prompts)
-                requested = (req.max_completion_tokens if chat and req.max_completion_tokens is not None
-                             else req.max_tokens)
+                requested = (req.max_completion_tokens if isinstance(req, ChatCompletionRequest)
+                             and req.max_completion_tokens is not None else req.max_tokens)
                 max_tokens = min(resolve_max_tokens(requested, len(p), max_model_len,
                                                     None if chat else COMPLETIONS_DEFAULT_MAX_TOKENS) for p in prompts)
                 quota = prompt_tokens + max_tokens * req.n * len(prompts)
@@ -128,7 +136,7 @@ class Gateway:
                              "meshserve.max_tokens": max_tokens})
         greq = GatewayRequest(request_id, endpoint, raw, tenant, like, prompts[0], prompt_tokens, max_tokens, req.n,
                               deadline, arrival, span, reservable=len(prompts) == 1,
-                              resumable=_resumable(req, chat, len(prompts)), quota=quota)
+                              resumable=_resumable(req, len(prompts)), quota=quota)
         return await cancel_on_disconnect(request, self._serve(greq))
 
     async def _serve(self, greq: GatewayRequest) -> Response:
@@ -152,7 +160,7 @@ class Gateway:
             if not handed_over:
                 self._close(greq)
 
-    async def _stream(self, greq: GatewayRequest, attempt):
+    async def _stream(self, greq: GatewayRequest, attempt: Attempt) -> AsyncGenerator[bytes, None]:
         try:
             async for chunk in self.protocol.relay(greq, attempt):
                 yield chunk
@@ -166,37 +174,42 @@ class Gateway:
                                   "meshserve.completion_tokens": greq.completion_tokens})
         greq.span.end()
 
-    async def _tokenize(self, req, raw: dict, chat: bool) -> tuple[ReplicaIdentity, list[list[int]], int]:
+    async def _tokenize(self, req: CompletionRequest | ChatCompletionRequest,
+                        raw: dict) -> tuple[ReplicaIdentity, list[list[int]], int]:
         """(identity of the replica that tokenized, token ids per prompt, its context length)."""
-        known = [r for r in self.replicas.replicas if r.identity is not None]
-        if req.model is not None and known and all(r.identity.model != req.model for r in known):
-            served = sorted({r.identity.model for r in known})
+        known = [r.identity for r in self.replicas.replicas if r.identity is not None]
+        if req.model is not None and known and all(identity.model != req.model for identity in known):
+            served = sorted({identity.model for identity in known})
             raise APIError(404, f"the model {req.model!r} does not exist; this gateway serves "
                                 f"{', '.join(map(repr, served))}", param="model", code="model_not_found")
         candidates = self.replicas.compatible(req.model)
         if not candidates:
             raise APIError(503, "no healthy replica serves this model now", code="no_healthy_replica",
                            headers={"Retry-After": "2"})
-        if chat:
+        bodies: list[dict[str, Any]] = []  # to tokenize on a replica
+        ids: list[list[int]] = []  # the prompts when they came as token ids already
+        if isinstance(req, ChatCompletionRequest):
             bodies = [{"messages": raw["messages"], "add_generation_prompt": req.add_generation_prompt}]
         elif isinstance(req.prompt, str):
             bodies = [{"prompt": req.prompt}]
-        elif req.prompt and isinstance(req.prompt[0], str):
+        elif is_text_batch(req.prompt):
             bodies = [{"prompt": p} for p in req.prompt]
-        else:
-            bodies = []  # token ids already
+        elif is_token_ids(req.prompt):
+            ids = [req.prompt]
+        elif is_token_batch(req.prompt):
+            ids = list(req.prompt)
         start = next(self._turn)
         last_error: Exception | None = None
         for k in range(min(2, len(candidates))):  # a replica that fails here is tried once elsewhere
             replica = candidates[(start + k) % len(candidates)]
+            identity = replica.known_identity
             try:
-                if not bodies:
-                    ids = [req.prompt] if isinstance(req.prompt[0], int) else list(req.prompt)
-                    if not all(ids):
+                if not bodies:  # token ids already (or no prompt at all: `[]`)
+                    if not ids or not all(ids):
                         raise bad_request("the prompt is empty", param="prompt", code="empty_prompt")
-                    return replica.identity, ids, replica.identity.max_model_len
+                    return identity, ids, identity.max_model_len
                 results = await asyncio.gather(*(self._tokenize_on(replica, b) for b in bodies))
-                return replica.identity, [r["tokens"] for r in results], int(results[0]["max_model_len"])
+                return identity, [r["tokens"] for r in results], int(results[0]["max_model_len"])
             except (aiohttp.ClientError, TimeoutError) as exc:
                 self.replicas.record_failure(replica, f"tokenize: {type(exc).__name__}",
                                              decisive=isinstance(exc, aiohttp.ClientConnectorError))
@@ -207,7 +220,7 @@ class Gateway:
     async def _tokenize_on(self, replica: Replica, body: dict) -> dict:
         timeout = aiohttp.ClientTimeout(total=30, sock_connect=self.config.connect_timeout_s)
         async with self.session.post(replica.url + "/tokenize", json=body, timeout=timeout) as resp:
-            answer = await resp.json(content_type=None)
+            answer: dict[str, Any] = await resp.json(content_type=None)
             if resp.status == 200:
                 return answer
             if resp.status >= 500:
@@ -257,11 +270,12 @@ class Gateway:
                 "retry_budget": round(self.protocol.budget.balance, 2), "replicas": out}
 
 
-def _resumable(req, chat: bool, num_prompts: int) -> bool:
+def _resumable(req: CompletionRequest | ChatCompletionRequest, num_prompts: int) -> bool:
     """Can a continuation on another replica give the same answer (see failover.py)?"""
+    asks_logprobs = (req.logprobs if isinstance(req, ChatCompletionRequest)
+                     else req.logprobs is not None or req.echo)
     return (bool(req.stream) and req.n == 1 and num_prompts == 1 and (is_greedy(req.temperature) or req.seed is not None)
-            and not req.frequency_penalty and not req.presence_penalty
-            and not (req.logprobs if chat else (req.logprobs is not None or req.echo)))
+            and not req.frequency_penalty and not req.presence_penalty and not asks_logprobs)
 
 
 def build_app(gateway: Gateway) -> FastAPI:

@@ -21,6 +21,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 import aiohttp
 from opentelemetry import trace
@@ -127,10 +128,10 @@ class FailureProtocol:
             self.metrics.index_hit_tokens.labels(replica.label).inc(placement.cached_tokens)
         attempt.dispatch(streamed=bool(body.get("stream")))
         try:
-            await send(self.session, attempt, path, body, headers, self.config.connect_timeout_s,
-                       self.config.first_token_timeout_s)
+            resp = await send(self.session, attempt, path, body, headers, self.config.connect_timeout_s,
+                              self.config.first_token_timeout_s)
             if body.get("stream"):
-                attempt.rest = await read_until_first_token(attempt)
+                attempt.rest = await read_until_first_token(attempt, resp)
         except AttemptFailed as failure:
             self._failed(attempt, failure)
             raise
@@ -207,8 +208,9 @@ class FailureProtocol:
     # ---- a whole answer ---------------------------------------------------------------------
     async def complete(self, greq: GatewayRequest) -> dict:
         attempt = await self.start(greq)
+        assert attempt.response is not None, "start() returns an attempt its replica answered with 200"
         try:
-            answer = await attempt.response.json(content_type=None)
+            answer: dict[str, Any] = await attempt.response.json(content_type=None)
         except (aiohttp.ClientError, ValueError, TimeoutError):
             self._failed(attempt, AttemptFailed("the answer broke off", reason="stream_broken"))
             raise APIError(502, "the replica's answer broke off", code="upstream_failed",
@@ -229,6 +231,7 @@ class FailureProtocol:
                     for event in attempt.buffered:
                         for out in shaper.shape(event):
                             yield sse_event(out)
+                    assert attempt.rest is not None, "start() and _resume() read a stream up to its first token"
                     async for event in attempt.rest:
                         for out in shaper.shape(event):
                             yield sse_event(out)

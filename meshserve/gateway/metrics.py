@@ -7,7 +7,7 @@ the fleet and the tenants file; no label carries a request id or prompt text.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from prometheus_client import (
     CollectorRegistry,
@@ -17,6 +17,7 @@ from prometheus_client import (
     generate_latest,
 )
 from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
 
 from meshserve.gateway.replicas import Replica
 
@@ -31,10 +32,10 @@ class _FleetCollector:
     def __init__(self, read: Callable[[], list[Replica]], waiting: Callable[[], int]) -> None:
         self._read, self._waiting = read, waiting
 
-    def describe(self):
+    def describe(self) -> list[Metric]:
         return []
 
-    def collect(self):
+    def collect(self) -> Iterator[Metric]:
         in_flight = GaugeMetricFamily(P + "replica_in_flight", "Requests this gateway has in flight there.",
                                       labels=["replica"])
         reserved = GaugeMetricFamily(P + "replica_reserved_blocks", "KV blocks its engine has promised to this "

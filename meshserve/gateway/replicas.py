@@ -22,6 +22,7 @@ import enum
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -149,6 +150,13 @@ class Replica:
         return self.identity is not None and self.breaker.allows_requests
 
     @property
+    def known_identity(self) -> ReplicaIdentity:
+        """The identity of a replica that answered a probe (every healthy one has it)."""
+        if self.identity is None:
+            raise RuntimeError(f"replica {self.url} has not been identified yet")
+        return self.identity
+
+    @property
     def reserved_blocks(self) -> int:
         return sum(lease.blocks for lease in self.leases.values())
 
@@ -185,8 +193,8 @@ class ReplicaSet:
         self.replicas = [Replica(i, url, CircuitBreaker(config.breaker_failures, config.breaker_cooldown_s,
                                                         config.breaker_max_cooldown_s))
                          for i, url in enumerate(config.backends)]
-        self.on_cache_lost = lambda replica: None  # set by the gateway: forget routing state
-        self.on_breaker_opened = lambda replica: None
+        self.on_cache_lost: Callable[[Replica], None] = lambda replica: None  # set by the gateway: forget routing state
+        self.on_breaker_opened: Callable[[Replica], None] = lambda replica: None
         self._task: asyncio.Task | None = None
 
     # ---- passive signals ---------------------------------------------------------------
@@ -294,9 +302,10 @@ class ReplicaSet:
     # ---- choosing ----------------------------------------------------------------------
     def compatible(self, model: str | None, like: ReplicaIdentity | None = None) -> list[Replica]:
         """Healthy replicas serving `model` (any model when None), of the same kind as `like`."""
-        out = [r for r in self.replicas if r.healthy and (model is None or r.identity.model == model)]
+        out = [r for r in self.replicas if r.healthy and r.identity is not None
+               and (model is None or r.identity.model == model)]
         if like is not None:
-            out = [r for r in out if r.identity.compat_key == like.compat_key]
+            out = [r for r in out if r.known_identity.compat_key == like.compat_key]
         return out
 
 

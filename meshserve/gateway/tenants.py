@@ -19,6 +19,7 @@ import hmac
 import math
 import time
 import tomllib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from meshserve.api.errors import APIError
@@ -49,7 +50,7 @@ class TenantConfig:
 
 
 class TokenBucket:
-    def __init__(self, rate: float, capacity: float, clock=time.monotonic) -> None:
+    def __init__(self, rate: float, capacity: float, clock: Callable[[], float] = time.monotonic) -> None:
         self.rate, self.capacity, self._clock = rate, capacity, clock
         self.tokens = capacity
         self._at = clock()

@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from opentelemetry import propagate, trace
+from opentelemetry.context import Context
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import (
@@ -50,12 +51,14 @@ class JSONLinesSpanExporter(SpanExporter):
             self._file.close()
 
 
-def span_record(span: ReadableSpan) -> dict:
-    ctx = span.get_span_context()
-    return {"name": span.name, "trace_id": f"{ctx.trace_id:032x}", "span_id": f"{ctx.span_id:016x}",
+def span_record(span: ReadableSpan) -> dict[str, object]:
+    ctx = span.get_span_context()  # None only for a ReadableSpan built by hand, never one the SDK ended
+    start, end = span.start_time, span.end_time
+    return {"name": span.name, "trace_id": f"{ctx.trace_id:032x}" if ctx is not None else None,
+            "span_id": f"{ctx.span_id:016x}" if ctx is not None else None,
             "parent_id": f"{span.parent.span_id:016x}" if span.parent is not None else None,
-            "start_ns": span.start_time, "end_ns": span.end_time,
-            "duration_ms": round((span.end_time - span.start_time) / 1e6, 3) if span.end_time else None,
+            "start_ns": start, "end_ns": end,
+            "duration_ms": round((end - start) / 1e6, 3) if end and start is not None else None,
             "attributes": dict(span.attributes or {}),
             "events": [{"name": e.name, "attributes": dict(e.attributes or {})} for e in span.events],
             "status": span.status.status_code.name}
@@ -86,7 +89,7 @@ class Tracing:
         self.tracer = (provider or trace.NoOpTracerProvider()).get_tracer(TRACER_NAME)
 
     @staticmethod
-    def incoming(headers) -> trace.Context:
+    def incoming(headers: Mapping[str, str]) -> Context:
         """The caller's trace context (from traceparent), if it sent one."""
         return propagate.extract({k.lower(): v for k, v in headers.items()})
 

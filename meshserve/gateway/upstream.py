@@ -92,6 +92,7 @@ class Attempt:
         led = self.replica.ledger
         led.queued_prefill_tokens -= self._expected_prefill
         led.decoding += 1
+        assert self._phase is not None, "dispatch() opened the phase span before any output could come"
         self._phase.end()
         self._phase = self.tracer.start_span("decode", context=trace.set_span_in_context(self.span))
 
@@ -148,10 +149,10 @@ async def send(session: aiohttp.ClientSession, attempt: Attempt, path: str, body
                         body=err, headers=retry_after, reason="client_error")
 
 
-async def events(attempt: Attempt) -> AsyncIterator[dict]:
-    """The stream's JSON events after those already buffered; load reports are absorbed. Ends at
-    [DONE]; AttemptFailed when the stream breaks, stops early or reports an error in-band."""
-    resp = attempt.response
+async def events(attempt: Attempt, resp: aiohttp.ClientResponse) -> AsyncIterator[dict]:
+    """The stream's JSON events (`resp`: the attempt's 200 response) after those already buffered;
+    load reports are absorbed. Ends at [DONE]; AttemptFailed when the stream breaks, stops early or
+    reports an error in-band."""
     try:
         async for raw in resp.content:
             line = raw.rstrip(b"\r\n")
@@ -176,10 +177,10 @@ async def events(attempt: Attempt) -> AsyncIterator[dict]:
     raise AttemptFailed("the stream ended without [DONE]", reason="stream_broken")
 
 
-async def read_until_first_token(attempt: Attempt) -> AsyncIterator[dict]:
+async def read_until_first_token(attempt: Attempt, resp: aiohttp.ClientResponse) -> AsyncIterator[dict]:
     """Buffer the stream's events up to and including the first that carries output; returns the
     iterator of the rest. Until then nothing has reached the client, so a failure may be retried."""
-    stream = events(attempt)
+    stream = events(attempt, resp)
     async for event in stream:
         attempt.buffered.append(event)
         if _token_bearing(event):

@@ -68,24 +68,37 @@ class Calibration:
                   f"at {self.measured_at}")
 
 
-_RATES = ("matmul_flops", "memory_bandwidth", "allreduce_bandwidth", "attention_flops", "decode_attention_flops")
-_TIMES = ("allreduce_latency_s", "op_overhead_s", "step_overhead_s", "layer_overhead_s")
+def _mean(values: Sequence[float], rate: bool) -> float:
+    """Rates take their harmonic mean (the time per unit of work is what averages), times their
+    arithmetic one."""
+    return len(values) / sum(1 / v for v in values) if rate else sum(values) / len(values)
+
+
+def _mean_or_none(values: Sequence[float | None], rate: bool) -> float | None:
+    """`None` (not measured) when any calibration lacks the figure."""
+    present = [v for v in values if v is not None]
+    return _mean(present, rate) if len(present) == len(values) else None
 
 
 def average_calibrations(cals: Sequence[Calibration]) -> Calibration:
     """One calibration from several of the same machine (before and after a load, say): the time
     per unit of work is averaged, so rates take their harmonic mean."""
-    def mean(values: list, rate: bool) -> float | None:
-        if any(v is None for v in values):
-            return None
-        return len(values) / sum(1 / v for v in values) if rate else sum(values) / len(values)
+    profiles = [c.gemm_profile for c in cals if c.gemm_profile]
+    profile: list[list[float]] | None = None
+    if len(profiles) == len(cals) and len({tuple(r for r, _ in p) for p in profiles}) == 1:
+        profile = [[rows, _mean([p[i][1] for p in profiles], False)] for i, (rows, _) in enumerate(profiles[0])]
 
-    profiles = [c.gemm_profile for c in cals]
-    profile = None
-    if all(profiles) and len({tuple(r for r, _ in p) for p in profiles}) == 1:
-        profile = [[rows, mean([p[i][1] for p in profiles], False)] for i, (rows, _) in enumerate(profiles[0])]
-    return replace(cals[0], gemm_profile=profile,
-                   **{n: mean([getattr(c, n) for c in cals], n in _RATES) for n in _RATES + _TIMES})
+    return replace(
+        cals[0], gemm_profile=profile,
+        matmul_flops=_mean([c.matmul_flops for c in cals], True),
+        memory_bandwidth=_mean([c.memory_bandwidth for c in cals], True),
+        allreduce_bandwidth=_mean([c.allreduce_bandwidth for c in cals], True),
+        attention_flops=_mean_or_none([c.attention_flops for c in cals], True),
+        decode_attention_flops=_mean_or_none([c.decode_attention_flops for c in cals], True),
+        allreduce_latency_s=_mean([c.allreduce_latency_s for c in cals], False),
+        op_overhead_s=_mean_or_none([c.op_overhead_s for c in cals], False),
+        step_overhead_s=_mean_or_none([c.step_overhead_s for c in cals], False),
+        layer_overhead_s=_mean_or_none([c.layer_overhead_s for c in cals], False))
 
 
 def default_calibration_path() -> Path:

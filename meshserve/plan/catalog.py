@@ -3,14 +3,26 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any, TypedDict
 
 from meshserve.models.model_config import ModelConfig
 
 from .specs import GPUSpec, ModelSpec
 from .units import GB, MiB
 
-_LLAMA70 = dict(num_layers=80, hidden_size=8192, num_attention_heads=64, num_kv_heads=8,
-                head_dim=128, intermediate_size=28672, vocab_size=128256)
+
+class _Geometry(TypedDict):
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+
+
+_LLAMA70 = _Geometry(num_layers=80, hidden_size=8192, num_attention_heads=64, num_kv_heads=8,
+                     head_dim=128, intermediate_size=28672, vocab_size=128256)
 
 MODELS: dict[str, ModelSpec] = {m.name: m for m in (
     ModelSpec("Llama-3.1-8B", 32, 4096, 32, 8, 128, 14336, 128256, max_context=131072,
@@ -97,13 +109,14 @@ def get_gpu(name: str, calibration_file: str | Path | None = None) -> GPUSpec:
     raise ValueError(f"unknown GPU {name!r}; valid: {', '.join(gpu_names())}")
 
 
-def model_from_hf_config(cfg: dict, name: str = "config.json") -> ModelSpec:
+def model_from_hf_config(cfg: dict[str, Any], name: str = "config.json") -> ModelSpec:
     """Geometry from a Hugging Face `config.json`, read by the engine's own parser (so the planner
     and the engine never disagree on a model). The parameter count is computed from the geometry."""
     return spec_from_model_config(ModelConfig.from_hf_config(cfg, name), name)
 
 
 def spec_from_model_config(c: ModelConfig, name: str) -> ModelSpec:
+    assert c.head_dim is not None, "ModelConfig.__post_init__ fills head_dim"
     shared = c.num_shared_experts or (
         c.shared_expert_intermediate_size // c.moe_intermediate_size if c.moe_intermediate_size else 0)
     return ModelSpec(

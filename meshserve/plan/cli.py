@@ -20,7 +20,7 @@ EPILOG = """examples:
 """
 
 
-def register(subparsers) -> None:
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser(
         "plan", help="size a deployment: memory, latency and goodput per TP x PP x DP layout",
         description="Capacity planner: for a model and a GPU count, evaluate every tensor x "

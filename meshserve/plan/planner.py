@@ -20,6 +20,18 @@ DEFAULT_MAX_MODEL_LEN = 8192
 DATASHEET_COMPUTE_EFFICIENCY = 0.7  # dense GEMMs reach roughly 60-80% of datasheet peak
 
 
+@dataclass(frozen=True)
+class ResolvedConfig:
+    """The `PlanConfig` fields that `validate()` fills when left `None`, as it filled them."""
+
+    gpus_per_node: int
+    max_model_len: int
+    prompt_len: int
+    output_len: int
+    compute_efficiency: float
+    prefill_chunk_with_decodes: int
+
+
 @dataclass
 class PlanConfig:
     """Everything a plan depends on; `validate()` fills defaults and checks ranges once."""
@@ -59,6 +71,13 @@ class PlanConfig:
     max_num_batched_tokens: int = 2048
     prefill_chunk_with_decodes: int | None = None
     notes: list[str] = field(default_factory=list)
+    _resolved: ResolvedConfig | None = field(default=None, init=False, repr=False, compare=False)
+
+    @property
+    def resolved(self) -> ResolvedConfig:
+        if self._resolved is None:
+            raise RuntimeError("PlanConfig.validate() has not run: its defaults are not filled in yet")
+        return self._resolved
 
     def validate(self) -> "PlanConfig":
         dtype_bytes(self.weight_dtype)
@@ -89,11 +108,11 @@ class PlanConfig:
         for flag, value in (("--compute-efficiency", self.compute_efficiency),
                             ("--bandwidth-efficiency", self.bandwidth_efficiency)):
             check_range(flag, value, 0, 1, lo_open=True)
-        for flag, value in (("--kv-transfer-bandwidth-gbs", self.kv_transfer_bandwidth_gbs),
+        for flag, given in (("--kv-transfer-bandwidth-gbs", self.kv_transfer_bandwidth_gbs),
                             ("--slo-ttft-ms", self.slo_ttft_ms), ("--slo-itl-ms", self.slo_itl_ms),
                             ("--request-rate", self.request_rate)):
-            if value is not None:
-                check_range(flag, value, 0, lo_open=True)
+            if given is not None:
+                check_range(flag, given, 0, lo_open=True)
         check_range("--simulate-requests", self.simulate_requests, 2, integer=True)
         check_range("--max-num-batched-tokens", self.max_num_batched_tokens, 0, lo_open=True)
         if self.prefill_chunk_with_decodes is None:
@@ -108,6 +127,8 @@ class PlanConfig:
         if self.enable_expert_parallel and not self.model.is_moe:
             raise ValueError(f"--enable-expert-parallel needs a mixture-of-experts model; {self.model.name} is dense")
         self.layouts()
+        self._resolved = ResolvedConfig(self.gpus_per_node, self.max_model_len, self.prompt_len, self.output_len,
+                                        self.compute_efficiency, self.prefill_chunk_with_decodes)
         return self
 
     def layouts(self) -> list[Layout]:
@@ -116,7 +137,7 @@ class PlanConfig:
 
     @property
     def workload(self) -> Workload:
-        return Workload(self.prompt_len, self.output_len,
+        return Workload(self.resolved.prompt_len, self.resolved.output_len,
                         self.slo_ttft_ms / 1e3 if self.slo_ttft_ms else math.inf,
                         self.slo_itl_ms / 1e3 if self.slo_itl_ms else math.inf)
 
@@ -146,6 +167,14 @@ class LayoutPlan:
     def status(self) -> str:
         return "rejected" if self.reasons else "flagged" if self.flags else "ok"
 
+    def estimates(self) -> tuple[MemoryEstimate, PerfModel, OperatingPoint]:
+        """A valid plan's memory, performance model and operating point: `evaluate` fills all three
+        for every layout it does not reject."""
+        if self.memory is None or self.perf is None or self.operating is None:
+            why = "; ".join(self.reasons) or "not evaluated"
+            raise ValueError(f"layout {self.layout.name} has no estimates: {why}")
+        return self.memory, self.perf, self.operating
+
 
 @dataclass(frozen=True)
 class Decision:
@@ -171,8 +200,8 @@ class PlanResult:
 
     @property
     def recommended(self) -> LayoutPlan | None:
-        ranked = [p for p in self.shown if p.valid and p.rank is not None]
-        return min(ranked, key=lambda p: p.rank) if ranked else None
+        ranked = [(p.rank, p) for p in self.shown if p.valid and p.rank is not None]
+        return min(ranked, key=lambda rank_plan: rank_plan[0])[1] if ranked else None
 
 
 def make_perf_model(spec: ModelSpec, gpu: GPUSpec, tp: int, pp: int, *, weight_dtype: str,
@@ -191,15 +220,15 @@ def make_perf_model(spec: ModelSpec, gpu: GPUSpec, tp: int, pp: int, *, weight_d
 
 
 def evaluate(cfg: PlanConfig, layout: Layout) -> LayoutPlan:
-    spec, gpu = cfg.model, cfg.gpu
-    errors, flags = structural_check(spec, layout, cfg.gpus_per_node)
+    spec, gpu, res = cfg.model, cfg.gpu, cfg.resolved
+    errors, flags = structural_check(spec, layout, res.gpus_per_node)
     plan = LayoutPlan(layout, errors, flags)
     if errors:
         return plan
     mem = estimate_memory(spec, model_params(spec), layout.tp, layout.pp,
                           weight_dtype=cfg.weight_dtype, kv_dtype=cfg.kv_cache_dtype,
                           memory_bytes=gpu.memory_bytes, utilization=cfg.gpu_memory_utilization,
-                          reserve_bytes=cfg.runtime_reserve_gib * GiB, max_model_len=cfg.max_model_len)
+                          reserve_bytes=cfg.runtime_reserve_gib * GiB, max_model_len=res.max_model_len)
     plan.memory = mem
     if not mem.weights_fit:
         plan.reasons.append(f"weights do not fit: {mem.weights_per_gpu_bytes / GiB:.2f} GiB per GPU "
@@ -212,8 +241,8 @@ def evaluate(cfg: PlanConfig, layout: Layout) -> LayoutPlan:
                             f"{mem.kv_available_per_gpu_bytes / GiB:.3f} GiB free")
         return plan
     perf = make_perf_model(spec, gpu, layout.tp, layout.pp, weight_dtype=cfg.weight_dtype,
-                           kv_dtype=cfg.kv_cache_dtype, gpus_per_node=cfg.gpus_per_node,
-                           compute_efficiency=cfg.compute_efficiency,
+                           kv_dtype=cfg.kv_cache_dtype, gpus_per_node=res.gpus_per_node,
+                           compute_efficiency=res.compute_efficiency,
                            bandwidth_efficiency=cfg.bandwidth_efficiency, dp=layout.dp, ep=layout.ep,
                            moe_load_max_to_mean=cfg.moe_load_max_to_mean)
     work = cfg.workload
@@ -269,18 +298,20 @@ def plan(cfg: PlanConfig) -> PlanResult:
     plans = [evaluate(cfg, lay) for lay in enumerate_layouts(cfg.num_gpus, moe=cfg.model.is_moe,
                                                              expert_parallel=cfg.enable_expert_parallel)]
     valid = [p for p in plans if p.valid]
-    valid.sort(key=lambda p: (-p.goodput_rps, -p.capacity_rps, p.operating.itl_s))
+    valid.sort(key=lambda p: (-p.goodput_rps, -p.capacity_rps, p.estimates()[2].itl_s))
     for i, p in enumerate(valid, 1):
         p.rank = i
     ordered = valid + [p for p in plans if not p.valid]
-    decision = decide({p.layout: p for p in plans}, cfg.num_gpus, cfg.gpus_per_node)
+    res = cfg.resolved
+    decision = decide({p.layout: p for p in plans}, cfg.num_gpus, res.gpus_per_node)
     best = valid[0] if valid else None
-    if cfg.request_rate and best and best.operating.stable:
-        # Percentiles need the scheduler replayed step by step: only for the layout recommended.
-        best.simulated = simulate(best.perf, cfg.workload, best.operating.rate,
-                                  max_seqs=best.memory.seqs_of(cfg.prompt_len + cfg.output_len),
-                                  num_requests=cfg.simulate_requests, token_budget=cfg.max_num_batched_tokens,
-                                  prefill_chunk_with_decodes=cfg.prefill_chunk_with_decodes or None,
-                                  serving_overhead_s=cfg.serving_overhead_ms / 1e3,
-                                  token_overhead_s=cfg.token_overhead_ms / 1e3)
+    if cfg.request_rate and best:
+        mem, perf, operating = best.estimates()
+        if operating.stable:
+            # Percentiles need the scheduler replayed step by step: only for the layout recommended.
+            best.simulated = simulate(
+                perf, cfg.workload, operating.rate, max_seqs=mem.seqs_of(res.prompt_len + res.output_len),
+                num_requests=cfg.simulate_requests, token_budget=cfg.max_num_batched_tokens,
+                prefill_chunk_with_decodes=cfg.prefill_chunk_with_decodes or None,
+                serving_overhead_s=cfg.serving_overhead_ms / 1e3, token_overhead_s=cfg.token_overhead_ms / 1e3)
     return PlanResult(cfg, ordered, decision)

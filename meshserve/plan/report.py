@@ -3,9 +3,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict
+from typing import Any
 
 from .params import model_params
-from .planner import LayoutPlan, PlanResult
+from .planner import LayoutPlan, PlanConfig, PlanResult
 from .units import GB, GiB, dtype_bytes
 
 
@@ -31,13 +32,16 @@ def _flops(f: float) -> str:
 
 def _table(headers: list[str], rows: list[list[str]]) -> str:
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
-    line = lambda cells: "  ".join(c.rjust(w) if i else c.ljust(w)
-                                   for i, (c, w) in enumerate(zip(cells, widths)))
+
+    def line(cells: list[str]) -> str:
+        return "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+
     return "\n".join([line(headers), line(["-" * w for w in widths]), *map(line, rows)])
 
 
 def header(result: PlanResult) -> list[str]:
     c, m, g = result.config, result.config.model, result.config.gpu
+    res = c.resolved
     counts = model_params(m)
     wb = counts.total * dtype_bytes(c.weight_dtype)
     kv_tok = next((p.memory.kv_bytes_per_token for p in result.plans if p.memory), 0.0)
@@ -49,19 +53,19 @@ def header(result: PlanResult) -> list[str]:
     return [
         f"Model  {m.name} ({m.kind}): {_count(counts.total)} parameters{active}; "
         f"{c.weight_dtype} weights {wb / GB:,.2f} GB = {wb / GiB:,.2f} GiB",
-        f"KV     {c.kv_cache_dtype}: {kv_tok:,.0f} bytes/token, {kv_tok * c.max_model_len / GiB:,.3f} GiB "
-        f"= {kv_tok * c.max_model_len / GB:,.3f} GB per {c.max_model_len:,}-token sequence",
-        f"GPU    {c.num_gpus} x {g.name} ({c.gpus_per_node} per node): {g.memory_bytes / GiB:,.2f} GiB, "
+        f"KV     {c.kv_cache_dtype}: {kv_tok:,.0f} bytes/token, {kv_tok * res.max_model_len / GiB:,.3f} GiB "
+        f"= {kv_tok * res.max_model_len / GB:,.3f} GB per {res.max_model_len:,}-token sequence",
+        f"GPU    {c.num_gpus} x {g.name} ({res.gpus_per_node} per node): {g.memory_bytes / GiB:,.2f} GiB, "
         f"{g.hbm_bandwidth / GB:,.1f} GB/s, {_flops(g.peak_flops(c.weight_dtype))} "
-        f"{'measured' if g.measured else f'peak x {c.compute_efficiency:g} achievable'}, "
+        f"{'measured' if g.measured else f'peak x {res.compute_efficiency:g} achievable'}, "
         f"ridge {g.ridge_point(c.weight_dtype):,.0f} FLOP/byte",
         f"Budget {c.gpu_memory_utilization:g} x memory - {c.runtime_reserve_gib:g} GiB reserve per GPU; "
-        f"token mix {c.prompt_len:,} prompt + {c.output_len:,} output; SLO {slo}; rate {rate}",
+        f"token mix {res.prompt_len:,} prompt + {res.output_len:,} output; SLO {slo}; rate {rate}",
         "Units  GB = 1e9 bytes, GiB = 2^30 bytes; bandwidths in decimal GB/s",
     ] + _moe_line(c)
 
 
-def _moe_line(c) -> list[str]:
+def _moe_line(c: PlanConfig) -> list[str]:
     if not c.model.is_moe:
         return []
     skew = f"{c.moe_load_max_to_mean:g} (measured)" if c.moe_load_max_to_mean else "from uniform routing"
@@ -75,11 +79,10 @@ def format_report(result: PlanResult) -> str:
     for p in shown:
         m, op = p.memory, p.operating
         rank = str(p.rank) if p.rank else "-"
-        mem_rows.append([p.layout.name, p.status, rank,
-                         _num(m and m.weights_per_gpu_bytes / GiB),
-                         _num(m and m.kv_bytes_per_seq_per_gpu / GiB, "{:,.3f}"),
-                         _num(m and m.kv_available_per_gpu_bytes / GiB),
-                         _num(m and m.max_seqs, "{:,}"), _num(m and m.max_kv_tokens, "{:,}")])
+        mem_cols = [_num(m.weights_per_gpu_bytes / GiB), _num(m.kv_bytes_per_seq_per_gpu / GiB, "{:,.3f}"),
+                    _num(m.kv_available_per_gpu_bytes / GiB), _num(m.max_seqs, "{:,}"),
+                    _num(m.max_kv_tokens, "{:,}")] if m else [_num(None)] * 5
+        mem_rows.append([p.layout.name, p.status, rank, *mem_cols])
         if op:
             a2a = p.decode_batch1_parts.get("all_to_all_dispatch", 0) + p.decode_batch1_parts.get("all_to_all_combine", 0)
             moe_cols = [_ms(a2a)] if result.config.model.is_moe else []
@@ -106,8 +109,9 @@ def format_report(result: PlanResult) -> str:
         f", prompts join decodes {c.prefill_chunk_with_decodes:,} tokens at a time" if c.prefill_chunk_with_decodes else "") + (
         f", {c.serving_overhead_ms:g} ms serving path per TTFT" if c.serving_overhead_ms else "") + (
         f", {c.token_overhead_ms:g} ms serving path per streamed token" if c.token_overhead_ms else "")
-    for p in (p for p in shown if p.simulated):
-        sim = p.simulated
+    for p in shown:
+        if (sim := p.simulated) is None:
+            continue
         out += ["", f"Simulated at {sim.rate:g} req/s per replica ({p.layout.name}; median of {sim.runs} runs "
                     f"of {sim.num_requests} Poisson requests through the engine's scheduler, {knobs})",
                 f"  TTFT p50 / p95 {_ms(sim.ttft_p50_s)} / {_ms(sim.ttft_p95_s)} ms, "
@@ -123,7 +127,7 @@ def format_report(result: PlanResult) -> str:
         out += ["", f"Recommended: {best.layout.name} (highest estimated goodput under the SLO)"]
     else:
         out += ["", f"Recommended: none meets the SLO; closest {best.layout.name} "
-                    f"(binding: {best.operating.limit})"]
+                    f"(binding: {best.estimates()[2].limit})"]
     d = result.decision
     agree = ("agrees" if best and d.layout == best.layout else "differs") if d.layout else ""
     out.append(f"Rule of thumb: {d.rule}" + (f" -> {d.layout.name} ({agree})" if d.layout else ""))
@@ -131,7 +135,7 @@ def format_report(result: PlanResult) -> str:
     return "\n".join(out)
 
 
-def _finite(x):
+def _finite(x: object) -> object:
     if isinstance(x, float) and not math.isfinite(x):
         return None
     if isinstance(x, dict):
@@ -141,7 +145,11 @@ def _finite(x):
     return x
 
 
-def _layout_dict(p: LayoutPlan) -> dict:
+def _in_ms(seconds: float | None) -> float | None:
+    return None if seconds is None else seconds * 1e3
+
+
+def _layout_dict(p: LayoutPlan) -> dict[str, Any]:
     op = p.operating
     return {
         "name": p.layout.name, "tp": p.layout.tp, "pp": p.layout.pp, "dp": p.layout.dp,
@@ -149,9 +157,9 @@ def _layout_dict(p: LayoutPlan) -> dict:
         "status": p.status, "rank": p.rank, "reasons": p.reasons, "flags": p.flags,
         "memory": asdict(p.memory) if p.memory else None,
         "time": None if not op else {
-            "decode_step_batch1_ms": p.decode_batch1_s * 1e3, "prefill_ms": p.prefill_s * 1e3,
+            "decode_step_batch1_ms": _in_ms(p.decode_batch1_s), "prefill_ms": _in_ms(p.prefill_s),
             "decode_step_batch1_parts_ms": {k: v * 1e3 for k, v in p.decode_batch1_parts.items()},
-            "kv_handoff_ms": p.kv_handoff_s * 1e3, "request_rate_per_replica": op.rate,
+            "kv_handoff_ms": _in_ms(p.kv_handoff_s), "request_rate_per_replica": op.rate,
             "concurrency": op.concurrency, "pipeline_utilization": op.pipeline_utilization,
             "itl_ms": op.itl_s * 1e3, "ttft_ms": op.ttft_s * 1e3,
             "ttft_p50_ms": op.ttft_p50_s * 1e3,
@@ -168,13 +176,13 @@ def _layout_dict(p: LayoutPlan) -> dict:
     }
 
 
-def to_dict(result: PlanResult) -> dict:
+def to_dict(result: PlanResult) -> dict[str, object]:
     """JSON-ready: sizes in bytes, times in ms, rates in requests/s; infinities become null."""
     c = result.config
     counts = model_params(c.model)
-    inputs = {k: v for k, v in asdict(c).items() if k not in ("model", "gpu", "notes")}
+    inputs = {k: v for k, v in asdict(c).items() if k not in ("model", "gpu", "notes", "_resolved")}
     best = result.recommended
-    return _finite({
+    doc: dict[str, object] = {
         "model": {**asdict(c.model), "params": counts.total, "active_params": counts.active(c.model),
                   "kind": c.model.kind},
         "gpu": asdict(c.gpu),
@@ -185,7 +193,8 @@ def to_dict(result: PlanResult) -> dict:
         "rule_of_thumb": {"rule": result.decision.rule,
                           "layout": result.decision.layout.name if result.decision.layout else None},
         "notes": c.notes,
-    })
+    }
+    return {k: _finite(v) for k, v in doc.items()}
 
 
 def write_plot(result: PlanResult, path: str) -> None:
@@ -195,13 +204,13 @@ def write_plot(result: PlanResult, path: str) -> None:
     import matplotlib.pyplot as plt
 
     c = result.config
-    plans = [p for p in result.shown if p.memory]
-    names = [p.layout.name for p in plans]
+    plans = [(p.layout.name, p.memory, p.operating) for p in result.shown if p.memory]
+    names = [name for name, _, _ in plans]
     fig, (ax_mem, ax_t) = plt.subplots(1, 2, figsize=(max(8, 1.6 * len(plans) + 4), 4.8))
-    weights = [p.memory.weights_per_gpu_bytes / GiB for p in plans]
-    reserve = [p.memory.reserve_per_gpu_bytes / GiB for p in plans]
-    kv = [max(0.0, p.memory.kv_available_per_gpu_bytes / GiB) for p in plans]
-    unused = [(p.memory.memory_per_gpu_bytes - p.memory.usable_per_gpu_bytes) / GiB for p in plans]
+    weights = [m.weights_per_gpu_bytes / GiB for _, m, _ in plans]
+    reserve = [m.reserve_per_gpu_bytes / GiB for _, m, _ in plans]
+    kv = [max(0.0, m.kv_available_per_gpu_bytes / GiB) for _, m, _ in plans]
+    unused = [(m.memory_per_gpu_bytes - m.usable_per_gpu_bytes) / GiB for _, m, _ in plans]
     bottom = [0.0] * len(plans)
     for label, values in (("weights", weights), ("runtime reserve", reserve), ("KV cache", kv),
                           ("outside utilization", unused)):
@@ -211,14 +220,14 @@ def write_plot(result: PlanResult, path: str) -> None:
     ax_mem.set_ylabel("GiB per GPU (fullest rank)")
     ax_mem.set_title(f"{c.model.name} on {c.gpu.name}: memory")
     ax_mem.legend(fontsize=8)
-    timed = [p for p in plans if p.operating and math.isfinite(p.operating.ttft_s)]
+    timed = [(name, op) for name, _, op in plans if op and math.isfinite(op.ttft_s)]
     xs = range(len(timed))
-    ax_t.bar([x - 0.2 for x in xs], [p.operating.itl_s * 1e3 for p in timed], 0.4, label="ITL")
-    ax_t.bar([x + 0.2 for x in xs], [p.operating.ttft_s * 1e3 for p in timed], 0.4, label="TTFT")
+    ax_t.bar([x - 0.2 for x in xs], [op.itl_s * 1e3 for _, op in timed], 0.4, label="ITL")
+    ax_t.bar([x + 0.2 for x in xs], [op.ttft_s * 1e3 for _, op in timed], 0.4, label="TTFT")
     for slo, style in ((c.slo_itl_ms, ":"), (c.slo_ttft_ms, "--")):
         if slo:
             ax_t.axhline(slo, color="r", lw=0.8, ls=style)
-    ax_t.set_xticks(list(xs), [p.layout.name for p in timed])
+    ax_t.set_xticks(list(xs), [name for name, _ in timed])
     ax_t.set_yscale("log")
     ax_t.set_ylabel("ms (log scale); red lines: SLOs")
     ax_t.set_title("latency at the operating point")

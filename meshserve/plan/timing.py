@@ -42,12 +42,16 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
 from statistics import NormalDist
+from typing import Concatenate, ParamSpec
 
 from .memory import StageShard
 from .specs import GPUSpec, ModelSpec
+
+_P = ParamSpec("_P")
 
 # Kernel calls of one decoder layer in the engine: two norms, QKV, rotary, two cache writes,
 # attention, output projection, gate/up, activation, down projection, residual bookkeeping.
@@ -110,10 +114,14 @@ def experts_touched_fraction(spec: ModelSpec, tokens: float, ranks: int = 1, imb
     of the busiest rank: `imbalance` x its fair share of the b k assignments over its E/N experts."""
     if not spec.is_moe:
         return 1.0
+    # float ** float is typed Any (a negative base gives a complex); these bases are in [0, 1].
+    untouched: float
     if ranks <= 1:
-        return 1.0 - (1.0 - spec.experts_per_token / spec.num_experts) ** max(tokens, 1.0)
+        untouched = (1.0 - spec.experts_per_token / spec.num_experts) ** max(tokens, 1.0)
+        return 1.0 - untouched
     assignments = max(tokens, 1.0) * spec.experts_per_token * imbalance / ranks
-    return 1.0 - (1.0 - ranks / spec.num_experts) ** assignments
+    untouched = (1.0 - ranks / spec.num_experts) ** assignments
+    return 1.0 - untouched
 
 
 @dataclass(frozen=True)
@@ -160,9 +168,10 @@ class PerfModel:
         """Each different stage once, with how many stages are like it (most are identical)."""
         return tuple(Counter(self.stages).items())
 
-    def _stage_times(self, fn, *args) -> tuple[float, float]:
-        """(sum, max) over the stages of fn(stage, *args)."""
-        times = [(fn(stage, *args), n) for stage, n in self.distinct_stages]
+    def _stage_times(self, fn: Callable[Concatenate[StageShard, _P], float], *args: _P.args,
+                     **kwargs: _P.kwargs) -> tuple[float, float]:
+        """(sum, max) over the stages of fn(stage, *args, **kwargs)."""
+        times = [(fn(stage, *args, **kwargs), n) for stage, n in self.distinct_stages]
         return sum(t * n for t, n in times), max(t for t, _ in times)
 
     def _attn_flops_per_ctx_token(self, stage: StageShard) -> float:

@@ -66,7 +66,7 @@ class RoundRobin(RoutingPolicy):
     def __init__(self) -> None:
         self._next = itertools.count()
 
-    def choose(self, candidates, request):
+    def choose(self, candidates: Sequence[ReplicaLoad], request: RouteRequest) -> ReplicaLoad:
         ordered = sorted(candidates, key=lambda c: c.index)
         return ordered[next(self._next) % len(ordered)]
 
@@ -80,7 +80,7 @@ class LeastLoad(RoutingPolicy):
     def __init__(self) -> None:
         self._turn = itertools.count()
 
-    def choose(self, candidates, request):
+    def choose(self, candidates: Sequence[ReplicaLoad], request: RouteRequest) -> ReplicaLoad:
         ordered = sorted(candidates, key=lambda c: c.index)
         start = next(self._turn) % len(ordered)
         rotated = ordered[start:] + ordered[:start]
@@ -157,7 +157,7 @@ class CacheAware(RoutingPolicy):
                              cfg.decode_weight * c.decode_load, c.in_flight <= allowed))
         return out
 
-    def choose(self, candidates, request):
+    def choose(self, candidates: Sequence[ReplicaLoad], request: RouteRequest) -> ReplicaLoad:
         scores = self.scores(candidates, request)
         eligible = [s for s in scores if s.eligible]
         best = min(s.cost for s in eligible)
@@ -171,11 +171,11 @@ class CacheAware(RoutingPolicy):
                                    f"{'' if s.eligible else ' [over slack]'}" for s in scores))
         return next(c for c in candidates if c.index == chosen.index)
 
-    def on_dispatch(self, replica, request):
+    def on_dispatch(self, replica: int, request: RouteRequest) -> None:
         if request.block_hashes:
             self.index.record(request.cache_scope, request.block_hashes, replica)
 
-    def forget_replica(self, replica):
+    def forget_replica(self, replica: int) -> None:
         self.index.forget_replica(replica)
 
 

@@ -82,12 +82,12 @@ def build_app(ctx: ServingContext, metrics: ServerMetrics, engine_config: dict) 
     async def tokenize(request: Request) -> Response:
         req = parse(TokenizeRequest, await read_json(request, ctx.config.max_body_bytes))
         ctx.check_model(req.model)
-        if (req.prompt is None) == (req.messages is None):
-            raise bad_request("send either prompt or messages", param="prompt")
-        if req.messages is not None:
+        if req.messages is not None and req.prompt is None:
             tokens = await ctx.render_chat(req.messages, req.add_generation_prompt)
-        else:
+        elif req.prompt is not None and req.messages is None:
             tokens = await ctx.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        else:
+            raise bad_request("send either prompt or messages", param="prompt")
         return JSONBytesResponse({"tokens": tokens, "count": len(tokens), "max_model_len": ctx.max_model_len})
 
     # ---- KV reservations: the engine grants or refuses, atomically for all its ranks ---------------

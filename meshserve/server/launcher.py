@@ -59,7 +59,9 @@ async def _serve(client: EngineClient, metrics: ServerMetrics, config: ServerCon
     app = build_app(ctx, metrics, engine_config)
     server = uvicorn.Server(uvicorn.Config(
         app, host=config.host, port=config.port, log_level=config.log_level, lifespan="off",
-        timeout_keep_alive=SERVER_KEEP_ALIVE_S, timeout_graceful_shutdown=config.drain_timeout))
+        timeout_keep_alive=SERVER_KEEP_ALIVE_S,
+        # uvicorn annotates it int but passes it to asyncio.timeout(), which takes fractional seconds.
+        timeout_graceful_shutdown=config.drain_timeout))  # type: ignore[arg-type]
     # uvicorn handles SIGTERM (stop accepting, let running requests finish within the drain timeout)
     # and re-raises it when done; by then the shutdown was orderly, so it must not kill us.
     signal.signal(signal.SIGTERM, lambda *_: None)
@@ -79,9 +81,10 @@ async def _serve(client: EngineClient, metrics: ServerMetrics, config: ServerCon
 def public_config(config: dict) -> dict:
     """The engine configuration as /server_info shows it: JSON values, and local paths by their
     last component only (a server should not publish its file system layout)."""
-    def clean(value):
+    def clean(value: object) -> object:
         if isinstance(value, str) and os.path.isabs(value):
             return os.path.basename(value.rstrip(os.sep)) or value
         return value
-    return json.loads(json.dumps({k: clean(v) for k, v in config.items()}, default=str))
+    public: dict[str, Any] = json.loads(json.dumps({k: clean(v) for k, v in config.items()}, default=str))
+    return public
 

@@ -6,14 +6,17 @@ are the engine's own cumulative statistics, read at scrape time. No label carrie
 """
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
 
 from meshserve.distributed.expert_load import summarize
 from meshserve.distributed.timing import comm_kinds_in
-from meshserve.engine.client import FleetStats
+from meshserve.engine.client import FleetStats, PendingRequest
+from meshserve.engine.messages import RequestDelta
 
 PREFIX = "meshserve:"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -47,10 +50,10 @@ class _EngineStatsCollector:
     def __init__(self, read_stats: Callable[[], FleetStats]) -> None:
         self._read = read_stats
 
-    def describe(self):
+    def describe(self) -> list[Metric]:
         return []  # series are produced at scrape time only
 
-    def collect(self):
+    def collect(self) -> Iterator[Metric]:
         stats = self._read()
         for name, doc, is_counter, value in _ENGINE_SERIES:
             family = CounterMetricFamily if is_counter else GaugeMetricFamily
@@ -78,13 +81,13 @@ class ServerMetrics:
                                   buckets=_PHASE_BUCKETS, registry=self.registry)
         self.registry.register(_EngineStatsCollector(read_stats))
 
-    def on_tokens(self, state, now: float) -> None:
+    def on_tokens(self, state: PendingRequest, now: float) -> None:
         if state.last_token_time is None:  # called before the state records this step
             self.ttft.observe(now - state.arrival_time)
         else:
             self.itl.observe(now - state.last_token_time)
 
-    def on_finished(self, state, delta, now: float) -> None:
+    def on_finished(self, state: PendingRequest, delta: RequestDelta, now: float) -> None:
         self.e2e.observe(now - state.arrival_time)
         reasons = [s.finish_reason for s in delta.outputs if s.finish_reason]
         self.success.labels(finished_reason=reasons[-1] if reasons else "stop").inc()
@@ -108,13 +111,13 @@ class ServerMetrics:
 
 
 class _ParallelTimingCollector:
-    def __init__(self, read_snapshot: Callable[[], dict | None], prefix: str) -> None:
+    def __init__(self, read_snapshot: Callable[[], dict[str, Any] | None], prefix: str) -> None:
         self._read, self._prefix = read_snapshot, prefix
 
-    def describe(self):
+    def describe(self) -> list[Metric]:
         return []  # series exist only at scrape time
 
-    def collect(self):
+    def collect(self) -> Iterator[Metric]:
         snap = self._read() or {}
         p = self._prefix
         compute = GaugeMetricFamily(p + "step_compute_seconds", "Compute time of the last step, per rank.",
@@ -138,7 +141,7 @@ class _ParallelTimingCollector:
         yield from (compute, comm, compute_total, comm_total, steps)
 
 
-def register_parallel_metrics(registry, read_snapshot: Callable[[], dict | None],
+def register_parallel_metrics(registry: CollectorRegistry, read_snapshot: Callable[[], dict[str, Any] | None],
                               prefix: str = PREFIX) -> None:
     """Add per-rank step timing series to a prometheus_client CollectorRegistry.
 
@@ -156,13 +159,13 @@ class _ExpertLoadCollector:
     (E values) and `rank` (EP values); the per-layer matrix (layers x E, thousands of series for a
     large MoE) is left to GET /moe/expert_load rather than to every scrape."""
 
-    def __init__(self, read_snapshot: Callable[[], dict | None], prefix: str) -> None:
+    def __init__(self, read_snapshot: Callable[[], dict[str, Any] | None], prefix: str) -> None:
         self._read, self._prefix = read_snapshot, prefix
 
-    def describe(self):
+    def describe(self) -> list[Metric]:
         return []
 
-    def collect(self):
+    def collect(self) -> Iterator[Metric]:
         s = summarize(self._read() or {})
         if not s["moe"]:
             return
@@ -184,7 +187,8 @@ class _ExpertLoadCollector:
                                 "summed over MoE layers since start (1 = balanced).", value=s["expert_max_to_mean"])
 
 
-def register_moe_metrics(registry, read_snapshot: Callable[[], dict | None], prefix: str = PREFIX) -> None:
+def register_moe_metrics(registry: CollectorRegistry, read_snapshot: Callable[[], dict[str, Any] | None],
+                         prefix: str = PREFIX) -> None:
     """Add the MoE routing series (nothing for a dense model). `read_snapshot` returns the engine
     stats' "expert_load" (ExpertLoadStats.snapshot(), merged over replicas) at scrape time."""
     registry.register(_ExpertLoadCollector(read_snapshot, prefix))

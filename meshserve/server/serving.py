@@ -9,14 +9,14 @@ import logging
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from typing import Generic, TypeVar
 
 from starlette.requests import Request
 from starlette.responses import Response
 
 from meshserve.api.chunks import response_body, usage
 from meshserve.api.errors import APIError, bad_request, error_body, from_value_error
-from meshserve.api.json_body import parse, read_json  # noqa: F401  (the handlers import them from here)
 from meshserve.api.limits import resolve_max_tokens
 from meshserve.api.load import SSE_LOAD_PREFIX, ReportedLoad, format_load
 from meshserve.api.protocol import ChatMessage, SamplingFields
@@ -56,6 +56,8 @@ class ServingContext:
 
     def __init__(self, client: EngineClient, config: ServerConfig) -> None:
         info = client.info
+        if info is None:
+            raise RuntimeError("ServingContext needs a started EngineClient: call client.start() first")
         self.client = client
         self.config = config
         self.tokenizer = info.tokenizer
@@ -159,7 +161,7 @@ class ServingContext:
 
     # ---- the flow ------------------------------------------------------------------------------
     async def respond(self, request: Request, engine_requests: list[tuple[str, list[int], SamplingParams]],
-                      arrival: float, view: "ResponseView") -> Response:
+                      arrival: float, view: ResponseView[SamplingFields]) -> Response:
         """Submit, then either collect everything into one JSON body or stream SSE events.
 
         A stream's headers go out only once the first output is there, so a request the engine
@@ -205,13 +207,17 @@ class Choice:
         return "".join(self.texts)
 
 
-class ResponseView:
+# The endpoint's request body (covariant: a view of a chat request is a view of sampling fields).
+_Req = TypeVar("_Req", bound=SamplingFields, covariant=True)
+
+
+class ResponseView(Generic[_Req]):
     """Turns engine deltas into one endpoint's JSON body or SSE chunks (subclasses: the shapes)."""
 
     object_name = ""  # of the non-streamed body
     chunk_object_name = ""
 
-    def __init__(self, ctx: ServingContext, req: SamplingFields, response_id: str, request_id: str,
+    def __init__(self, ctx: ServingContext, req: _Req, response_id: str, request_id: str,
                  prompt_tokens: int) -> None:
         self.ctx = ctx
         self.req = req
@@ -252,15 +258,16 @@ class ResponseView:
     async def collect(self, outputs: AsyncIterator[RequestDelta]) -> dict:
         raise NotImplementedError
 
-    def chunks(self, outputs: AsyncIterator[RequestDelta]) -> AsyncIterator[dict]:
+    def chunks(self, outputs: AsyncIterator[RequestDelta]) -> AsyncGenerator[dict, None]:
         raise NotImplementedError
 
-    def events(self, first: RequestDelta, outputs: AsyncIterator[RequestDelta]) -> AsyncIterator[bytes]:
+    def events(self, first: RequestDelta,
+               outputs: AsyncGenerator[RequestDelta, None]) -> AsyncGenerator[bytes, None]:
         return sse_stream(self.chunks(_chain(first, outputs)), outputs, self.request_id, self.ctx.load_report)
 
 
-async def sse_stream(chunks: AsyncIterator[dict], outputs: AsyncIterator[RequestDelta],
-                     request_id: str, load_report) -> AsyncIterator[bytes]:
+async def sse_stream(chunks: AsyncGenerator[dict, None], outputs: AsyncGenerator[RequestDelta, None],
+                     request_id: str, load_report: Callable[[], str]) -> AsyncGenerator[bytes, None]:
     """SSE framing shared by both endpoints; a failure after the stream started is reported in-band.
     The server's load figures go last, in a comment line that SSE clients skip."""
     try:
@@ -302,7 +309,7 @@ def _digest(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
 
 
-def tokenizer_hash(tokenizer) -> str:
+def tokenizer_hash(tokenizer: object) -> str:
     """A fingerprint of the vocabulary and merges (two replicas agree on token ids iff it matches)."""
     identity = getattr(tokenizer, "identity", None)
     if callable(identity):

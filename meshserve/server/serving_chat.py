@@ -3,22 +3,18 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import Response
 
 from meshserve.api.chunks import CHAT_CHUNK_OBJECT, CHAT_OBJECT, chat_delta_choice, chat_message_choice, usage
 from meshserve.api.errors import bad_request
+from meshserve.api.json_body import parse, read_json
 from meshserve.api.protocol import ChatCompletionRequest
 from meshserve.engine.messages import RequestDelta
-from meshserve.server.serving import (
-    ResponseView,
-    ServingContext,
-    clamp_logprob,
-    parse,
-    read_json,
-)
+from meshserve.server.serving import ResponseView, ServingContext, clamp_logprob
 
 
 async def create_chat_completion(ctx: ServingContext, request: Request) -> Response:
@@ -42,11 +38,11 @@ async def create_chat_completion(ctx: ServingContext, request: Request) -> Respo
     return await ctx.respond(request, [(completion_id, ids, params)], arrival, view)
 
 
-class _ChatView(ResponseView):
+class _ChatView(ResponseView[ChatCompletionRequest]):
     object_name = CHAT_OBJECT
     chunk_object_name = CHAT_CHUNK_OBJECT
 
-    def _logprobs(self, token_ids: list[int], entries) -> dict:
+    def _logprobs(self, token_ids: list[int], entries: list[dict[int, float]] | None) -> dict[str, Any]:
         ctx, num = self.ctx, self.req.top_logprobs or 0
         entries = entries or [{}] * len(token_ids)
         content = []
@@ -66,7 +62,7 @@ class _ChatView(ResponseView):
                    for k in range(self.req.n)]
         return {**self.body(choices), "usage": usage(self.prompt_tokens, completion_tokens)}
 
-    async def chunks(self, outputs: AsyncIterator[RequestDelta]) -> AsyncIterator[dict]:
+    async def chunks(self, outputs: AsyncIterator[RequestDelta]) -> AsyncGenerator[dict, None]:
         for k in range(self.req.n):
             yield self.body([chat_delta_choice(k, "", role="assistant")], chunk=True)
         completion_tokens = 0

@@ -4,23 +4,18 @@ from __future__ import annotations
 import time
 import uuid
 from collections import defaultdict
-from typing import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 
 from starlette.requests import Request
 from starlette.responses import Response
 
 from meshserve.api.chunks import COMPLETION_OBJECT, completion_choice, usage
 from meshserve.api.errors import bad_request
+from meshserve.api.json_body import parse, read_json
 from meshserve.api.limits import COMPLETIONS_DEFAULT_MAX_TOKENS
-from meshserve.api.protocol import CompletionRequest
+from meshserve.api.protocol import CompletionRequest, Prompt, is_text_batch, is_token_batch, is_token_ids
 from meshserve.engine.messages import RequestDelta
-from meshserve.server.serving import (
-    ResponseView,
-    ServingContext,
-    clamp_logprob,
-    parse,
-    read_json,
-)
+from meshserve.server.serving import ResponseView, ServingContext, clamp_logprob
 
 
 async def create_completion(ctx: ServingContext, request: Request) -> Response:
@@ -50,20 +45,21 @@ async def create_completion(ctx: ServingContext, request: Request) -> Response:
     return await ctx.respond(request, engine_requests, arrival, view)
 
 
-async def _prompts(ctx: ServingContext, prompt) -> list[tuple[str | None, list[int]]]:
+async def _prompts(ctx: ServingContext, prompt: Prompt) -> list[tuple[str | None, list[int]]]:
     """(text or None, token ids) per prompt of the batch."""
     if isinstance(prompt, str):
         return [(prompt, await ctx.encode(prompt))]
     if not prompt:
         raise bad_request("the prompt is empty", param="prompt", code="empty_prompt")
-    if isinstance(prompt[0], int):
+    if is_token_ids(prompt):
         return [(None, ctx.check_prompt_ids(prompt))]
-    if isinstance(prompt[0], str):
+    if is_text_batch(prompt):
         return [(p, await ctx.encode(p)) for p in prompt]
+    assert is_token_batch(prompt), "CompletionRequest allows no other shape"
     return [(None, ctx.check_prompt_ids(p)) for p in prompt]
 
 
-class _CompletionView(ResponseView):
+class _CompletionView(ResponseView[CompletionRequest]):
     object_name = chunk_object_name = COMPLETION_OBJECT
 
     def __init__(self, ctx: ServingContext, req: CompletionRequest, completion_id: str,
@@ -79,8 +75,10 @@ class _CompletionView(ResponseView):
         text, ids = self.prompts[choice // self.req.n]
         return text if text is not None else self.ctx.tokenizer.decode(ids)
 
-    def _logprobs(self, token_ids: list[int], entries, offset: int) -> tuple[dict, int]:
-        ctx, num = self.ctx, self.req.logprobs
+    def _logprobs(self, token_ids: list[int], entries: list[dict[int, float]] | None, offset: int,
+                  num: int) -> tuple[dict, int]:
+        """`num`: the top logprobs asked for (the request's `logprobs`)."""
+        ctx = self.ctx
         entries = entries or [{}] * len(token_ids)
         tokens = [ctx.token_str(t) for t in token_ids]
         offsets = []
@@ -98,11 +96,12 @@ class _CompletionView(ResponseView):
         for k in range(len(self.prompts) * self.req.n):
             c = gathered[k]
             text = self._prompt_text(k) + c.text if self.req.echo else c.text
-            logprobs = self._logprobs(c.token_ids, c.logprobs, 0)[0] if self.req.logprobs is not None else None
+            logprobs = (self._logprobs(c.token_ids, c.logprobs, 0, self.req.logprobs)[0]
+                        if self.req.logprobs is not None else None)
             choices.append(completion_choice(k, text, logprobs, c.finish_reason))
         return {**self.body(choices), "usage": usage(self.prompt_tokens, completion_tokens)}
 
-    async def chunks(self, outputs: AsyncIterator[RequestDelta]) -> AsyncIterator[dict]:
+    async def chunks(self, outputs: AsyncIterator[RequestDelta]) -> AsyncGenerator[dict, None]:
         offsets: dict[int, int] = defaultdict(int)
         echoed: set[int] = set()
         completion_tokens = 0
@@ -116,7 +115,7 @@ class _CompletionView(ResponseView):
                     text = self._prompt_text(k) + text
                 logprobs = None
                 if self.req.logprobs is not None:
-                    logprobs, offsets[k] = self._logprobs(s.token_ids, s.logprobs, offsets[k])
+                    logprobs, offsets[k] = self._logprobs(s.token_ids, s.logprobs, offsets[k], self.req.logprobs)
                 elif not text and s.finish_reason is None and not self.return_token_ids:
                     continue  # nothing to show yet (e.g. half of a multi-byte character)
                 yield self.body([completion_choice(k, text, logprobs, s.finish_reason,

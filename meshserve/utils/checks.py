@@ -5,11 +5,11 @@ from __future__ import annotations
 import math
 
 
-def check_range(name: str, value, lo: float | None = None, hi: float | None = None, *, lo_open: bool = False,
+def check_range(name: str, value: object, lo: float | None = None, hi: float | None = None, *, lo_open: bool = False,
                 hi_open: bool = False, integer: bool = False, hint: str = "") -> None:
     """ValueError unless `value` is a number (an int with `integer`; never a bool) within the range.
     `lo`/`hi` None: unbounded on that side; `*_open`: that end excluded."""
-    if isinstance(value, bool) or not isinstance(value, int if integer else (int, float)):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (integer and not isinstance(value, int)):
         kind = "an integer" if integer else "a number"
         raise ValueError(f"{name} must be {kind}, got {value!r}")
     if isinstance(value, float) and math.isnan(value):
@@ -30,6 +30,6 @@ def describe_range(lo: float | None, hi: float | None, lo_open: bool = False, hi
     return f"in {'(' if lo_open else '['}{lo:g}, {hi:g}{')' if hi_open else ']'}"
 
 
-def check_positive_int(name: str, value) -> None:
+def check_positive_int(name: str, value: object) -> None:
     """An integer >= 1."""
     check_range(name, value, 1, integer=True)

@@ -19,7 +19,7 @@ class Flag:
     name: str | None = None  # default: "--" + the field name with dashes
     aliases: tuple[str, ...] = ()
     type: Callable[[str], Any] | None = None  # default: the default value's type (int, float, str)
-    choices: tuple | None = None
+    choices: tuple[Any, ...] | None = None
     metavar: str | None = None
 
 
@@ -32,7 +32,7 @@ def flag(default: Any = MISSING, help: str | None = None, *, default_factory: An
     return field(default=default, metadata=meta)
 
 
-def add_flags(group, cls: type) -> None:
+def add_flags(group: argparse._ActionsContainer, cls: type) -> None:
     for f in dataclasses.fields(cls):
         spec: Flag | None = f.metadata.get("flag")
         if spec is None:

@@ -15,6 +15,7 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
+from signal import Signals  # in the class, `signal` names its method
 from typing import Mapping
 
 import aiohttp
@@ -23,7 +24,8 @@ import aiohttp
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
-        return s.getsockname()[1]
+        port: int = s.getsockname()[1]
+        return port
 
 
 class LaunchedServer:
@@ -35,7 +37,7 @@ class LaunchedServer:
         self.host, self.port = host, port if port is not None else free_port(host)
         self.url = f"http://{host}:{self.port}"
         self.env, self.cwd = env, cwd
-        self.proc: subprocess.Popen | None = None
+        self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> "LaunchedServer":
         with open(self.log_path, "wb") as log:
@@ -47,7 +49,7 @@ class LaunchedServer:
     def __enter__(self) -> "LaunchedServer":
         return self.start()
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.stop()
 
     @property
@@ -109,7 +111,7 @@ class LaunchedServer:
             time.sleep(0.25)
         raise self._timed_out(timeout_s)
 
-    def signal(self, sig: signal.Signals) -> None:
+    def signal(self, sig: Signals) -> None:
         """To the server process only (e.g. SIGTERM to test its own drain)."""
         assert self.proc is not None
         self.proc.send_signal(sig)
@@ -129,7 +131,7 @@ class LaunchedServer:
         self._signal_group(signal.SIGKILL)
         return self.proc.wait()
 
-    def _signal_group(self, sig: signal.Signals) -> None:
+    def _signal_group(self, sig: Signals) -> None:
         assert self.proc is not None
         try:
             os.killpg(self.proc.pid, sig)  # start_new_session made the pid the group id
