@@ -20,9 +20,9 @@ import urllib.request
 from pathlib import Path
 
 from meshserve.bench.config import BenchConfig, DatasetConfig, LoadConfig
-from meshserve.utils.server_process import LaunchedServer, free_port
 from meshserve.bench.report import table
 from meshserve.bench.runner import run_serve
+from meshserve.utils.server_process import LaunchedServer, free_port
 
 REPO = Path(__file__).resolve().parents[1]
 POLICIES = ("round_robin", "least_load", "cache_aware")

@@ -253,7 +253,8 @@ def main() -> None:
         args.tokens, args.max_model_len, args.max_num_seqs, args.decode_steps = 4, 256, 4, 4
     else:
         if not torch.cuda.is_available():
-            raise SystemExit("no CUDA device: run this on a machine with an NVIDIA GPU (or --smoke to check the script)")
+            raise SystemExit("no CUDA device: run this on a machine with an NVIDIA GPU "
+                             "(or --smoke to check the script)")
         device, geometry = "cuda", LLAMA_31_8B
     results: dict = {"device": device}
     if device == "cuda":

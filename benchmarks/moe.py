@@ -30,8 +30,8 @@ from pathlib import Path
 import torch
 
 from meshserve import LLM, SamplingParams
-from meshserve.distributed.expert_load import summarize
 from meshserve.calibration.measure import calibrate
+from meshserve.distributed.expert_load import summarize
 from meshserve.plan.catalog import model_from_hf_config
 from meshserve.plan.planner import make_perf_model
 

@@ -1,8 +1,9 @@
 """Offline throughput: meshserve vs transformers (and optionally vLLM's CPU build) on one workload.
 
 64 requests of 256 random prompt tokens and 128 output tokens (ignore_eos, greedy, float32 or
---dtype bfloat16 for every engine), all submitted at once. Prints total and output tokens/s of each engine, the ratios, and model FLOP
-utilization: MFU = 2 x parameters x processed tokens / elapsed / measured matmul FLOP/s.
+--dtype bfloat16 for every engine), all submitted at once. Prints total and output tokens/s of each
+engine, the ratios, and model FLOP utilization:
+MFU = 2 x parameters x processed tokens / elapsed / measured matmul FLOP/s.
 All engines are started and warmed up first, then run the workload in turns (prefix caches emptied
 before each run); with --repeats N there are N rounds and each engine keeps its best time. On a
 shared machine a slow run says more about the neighbours than about the engine, and alternating

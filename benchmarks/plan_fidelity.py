@@ -19,12 +19,12 @@ import time
 from pathlib import Path
 
 import torch
+from step_timers import EngineStepTimer, torch_reference_timer
 
-from meshserve.plan import get_gpu, get_model
 from meshserve.calibration.measure import calibrate
+from meshserve.plan import get_gpu, get_model
 from meshserve.plan.fidelity import compare_decode_steps
 from meshserve.plan.planner import make_perf_model
-from step_timers import EngineStepTimer, torch_reference_timer
 
 
 def main() -> None:

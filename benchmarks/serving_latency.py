@@ -7,8 +7,8 @@ ignore_eos, greedy; Poisson arrivals at each --rates value (32 requests each) an
 highest offered rate that still meets the SLO for 95% of requests.
 
 Both servers run side by side and take turns at each load and at each point of the sweeps (the
-order alternates from one to the next), so a slow spell of a shared machine falls on both. Every load sends its own prompts, the
-same for both engines: a replayed prompt would be a prefix-cache hit, not a prefill.
+order alternates from one to the next), so a slow spell of a shared machine falls on both. Every load
+sends its own prompts, the same for both engines: a replayed prompt would be a prefix-cache hit, not a prefill.
 
     python benchmarks/serving_latency.py --vllm-python /opt/vllm-venv/bin/python
     python benchmarks/serving_latency.py --vllm-python /opt/vllm-venv/bin/python --dtype bfloat16
@@ -45,10 +45,10 @@ import tempfile
 from dataclasses import dataclass, field
 
 from meshserve.bench.config import BenchConfig, DatasetConfig, LoadConfig, parse_csv_floats
-from meshserve.utils.server_process import LaunchedServer, free_port
 from meshserve.bench.runner import Benchmark
 from meshserve.bench.sweep import SweepConfig, SweepPlan, measure_point, sweep_result
 from meshserve.plan.calibration import average_calibrations
+from meshserve.utils.server_process import LaunchedServer, free_port
 
 SERVED_NAME = "smollm2"
 

@@ -11,11 +11,11 @@ import math
 import random
 import statistics
 import time
-from typing import Callable
+from collections.abc import Callable
 
+from meshserve.models.geometry import kv_block_bytes
 from meshserve.plan.fidelity import StepTimer
 from meshserve.plan.specs import ModelSpec
-from meshserve.models.geometry import kv_block_bytes
 
 
 def torch_reference_timer(spec: ModelSpec, repeats: int = 7, seed: int = 0,
@@ -165,7 +165,7 @@ class EngineStepTimer:
     def close(self) -> None:
         self.engine.shutdown()
 
-    def __enter__(self) -> "EngineStepTimer":
+    def __enter__(self) -> EngineStepTimer:
         return self
 
     def __exit__(self, *exc) -> None:

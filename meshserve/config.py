@@ -125,7 +125,7 @@ class EngineConfig:
         name, why = auto_dtype(device.type, device.type == "cuda" and _cuda_bf16_supported(device))
         return getattr(torch, name), why
 
-    def serving_defaults(self) -> "EngineConfig":
+    def serving_defaults(self) -> EngineConfig:
         """A served engine's defaults where the setting is left open: on a CPU, prompts join
         running decodes at most CPU_PREFILL_CHUNK_WITH_DECODES tokens at a time (a GPU's prefill
         gains from larger batches, and an offline batch from fewer, fuller steps: no cap there)."""
@@ -153,7 +153,7 @@ class EngineConfig:
         add_flags(p.add_argument_group("engine"), EngineConfig)
 
     @classmethod
-    def from_cli_args(cls, args: argparse.Namespace) -> "EngineConfig":
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineConfig:
         return cls(**values_for(cls, args))
 
 

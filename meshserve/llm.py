@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 import itertools
-from typing import TYPE_CHECKING, Any, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 from tqdm import tqdm
 
@@ -68,7 +69,7 @@ class LLM:
                    for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def _run(self, collected: dict[str, "_Collected"], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, collected: dict[str, _Collected], use_tqdm: bool) -> list[RequestOutput]:
         pending = set(collected)
         with tqdm(total=len(collected), desc="generating", disable=not use_tqdm) as bar:
             while pending:

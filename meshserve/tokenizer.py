@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, NoReturn, Sequence
+from typing import Any, NoReturn
 
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
@@ -43,9 +44,9 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids = self._tok.encode(text, add_special_tokens=False).ids
-        if add_special_tokens and self.add_bos and self.bos_token_id is not None:
-            if not ids or ids[0] != self.bos_token_id:
-                ids = [self.bos_token_id] + ids
+        bos = self.bos_token_id
+        if add_special_tokens and self.add_bos and bos is not None and (not ids or ids[0] != bos):
+            ids = [bos, *ids]
         return ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
@@ -69,7 +70,7 @@ class Tokenizer:
 
     # ---- construction -------------------------------------------------------------
     @classmethod
-    def from_gguf_fields(cls, fields: dict) -> "Tokenizer":
+    def from_gguf_fields(cls, fields: dict) -> Tokenizer:
         """`fields`: GGUF key -> python value (lists for arrays)."""
         kind = fields.get("tokenizer.ggml.model")
         if kind != "gpt2":
@@ -98,7 +99,7 @@ class Tokenizer:
                    add_bos=bool(fields.get("tokenizer.ggml.add_bos_token", False)))
 
     @classmethod
-    def from_hf_dir(cls, path: str | Path) -> "Tokenizer":
+    def from_hf_dir(cls, path: str | Path) -> Tokenizer:
         path = Path(path)
         if not (path / "tokenizer.json").exists():
             raise ValueError(f"{path} has no tokenizer.json (the fast-tokenizer file is required)")

@@ -8,7 +8,8 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from typing import AsyncIterator, Sequence, TypeVar
+from collections.abc import AsyncIterator, Sequence
+from typing import TypeVar
 
 import numpy as np
 

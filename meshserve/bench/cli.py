@@ -5,7 +5,7 @@ import argparse
 import asyncio
 import os
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 from meshserve.bench.config import (
     DATASETS,

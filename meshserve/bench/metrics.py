@@ -11,7 +11,7 @@ interpolate linearly between order statistics (numpy's default method).
 from __future__ import annotations
 
 from collections import Counter
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 

@@ -1,8 +1,8 @@
 """PNG plots: latency and TPOT distributions of one run, latency against offered load."""
 from __future__ import annotations
 
+from collections.abc import Sequence
 from types import ModuleType
-from typing import Sequence
 
 import numpy as np
 

@@ -5,7 +5,8 @@ import datetime as dt
 import json
 import os
 import re
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from meshserve.bench.config import METRICS
 from meshserve.bench.metrics import percentile_key
@@ -22,7 +23,7 @@ WIDTH = 50
 def fmt(value: Any, digits: int = 2) -> str:
     if value is None:
         return "n/a"
-    if isinstance(value, bool) or isinstance(value, int):
+    if isinstance(value, (bool, int)):
         return str(value)
     if isinstance(value, float):
         return f"{value:.{digits}f}"

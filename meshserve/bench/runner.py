@@ -6,7 +6,8 @@ import dataclasses
 import datetime as dt
 import math
 import time
-from typing import TYPE_CHECKING, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import aiohttp
 import numpy as np
@@ -46,7 +47,7 @@ class Benchmark:
         self._environment: dict | None = None
         self._tokenizer: PromptTokenizer | None = None
 
-    async def __aenter__(self) -> "Benchmark":
+    async def __aenter__(self) -> Benchmark:
         key = self.config.api_key
         # limit=0: aiohttp's default pool of 100 connections would silently cap concurrency; idle
         # connections go before a server with uvicorn's 5 s keep-alive closes them under a request.
@@ -179,7 +180,7 @@ class Benchmark:
         metrics = compute_metrics(records, duration, cfg.percentile_metrics, cfg.percentiles,
                                   cfg.goodput)
         return {
-            "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+            "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
             "label": label,
             "base_url": cfg.base_url,
             "endpoint": cfg.endpoint,

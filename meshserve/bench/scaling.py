@@ -18,15 +18,15 @@ import os
 import re
 import shlex
 import tempfile
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import aiohttp
 
 from meshserve.bench import environment
 from meshserve.bench.config import METRICS, BenchConfig, LoadConfig
-from meshserve.utils.server_process import LaunchedServer, free_port
 from meshserve.bench.runner import Benchmark
+from meshserve.utils.server_process import LaunchedServer, free_port
 
 DEFAULT_LAUNCH = ("meshserve serve {model} --port {port} --tensor-parallel-size {tp} "
                   "--pipeline-parallel-size {pp}")

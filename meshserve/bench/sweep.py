@@ -8,8 +8,8 @@ lower points pass: a single lucky point above a failure does not count.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 from meshserve.bench.config import BenchConfig, LoadConfig
 from meshserve.bench.runner import Benchmark

@@ -23,8 +23,8 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from meshserve.distributed.parallel_state import keep_gloo_on_loopback
 from meshserve.models.geometry import kv_block_bytes
@@ -212,10 +212,10 @@ def measure_engine_overheads(repeats: int = 10, clock: Clock = time.perf_counter
     difference per layer, the rest per step."""
     from meshserve.config import EngineConfig
     from meshserve.distributed.parallel_state import ParallelState, get_parallel_state, set_parallel_state
-    from meshserve.worker.step import SeqStep, StepInput
     from meshserve.models.loader import resolve_model
     from meshserve.sampling_params import SamplingParams
     from meshserve.worker.model_runner import ModelRunner
+    from meshserve.worker.step import SeqStep, StepInput
 
     context, block = 64, 16
     greedy = SamplingParams(temperature=0.0, max_tokens=1)
@@ -235,7 +235,7 @@ def measure_engine_overheads(repeats: int = 10, clock: Clock = time.perf_counter
                 runner.forward(StepInput([SeqStep(0, list(range(1, context + 1)), 0, table, False)]))
                 decode = StepInput([SeqStep(0, [7], context, table, True, params=greedy)])
 
-                def step() -> None:
+                def step(runner: ModelRunner = runner, decode: StepInput = decode) -> None:
                     hidden, rows = runner.forward(decode)
                     runner.sample(decode, hidden[rows])
 

@@ -10,8 +10,8 @@ share a core while there are enough cores; beyond that, ranks get one core each,
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,7 @@ class RankTiming:
     def comm_total_s(self) -> float:
         return sum(self.comm_s.values())
 
-    def add(self, other: "RankTiming") -> None:
+    def add(self, other: RankTiming) -> None:
         self.compute_s += other.compute_s
         for kind, s in other.comm_s.items():
             self.comm_s[kind] = self.comm_s.get(kind, 0.0) + s

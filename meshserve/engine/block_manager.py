@@ -27,10 +27,10 @@ from __future__ import annotations
 
 import itertools
 from collections import OrderedDict
-from typing import Sequence as Tokens
+from collections.abc import Sequence as Tokens
 
-from meshserve.routing.block_hash import extend_chain, root_hash
 from meshserve.engine.sequence import Sequence
+from meshserve.routing.block_hash import extend_chain, root_hash
 
 _ROOT = 0  # the parent id of a sequence's first block
 

@@ -15,8 +15,9 @@ import logging
 import signal
 import time
 import traceback
+from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 from meshserve.distributed.placement import ReplicaPlacement, apply_replica_placement
 from meshserve.engine.block_manager import ReservationError

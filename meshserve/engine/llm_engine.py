@@ -17,13 +17,13 @@ from meshserve.engine.messages import EngineStats, LeaseInfo, LeaseLedger, Model
 from meshserve.engine.output import EngineRequest
 from meshserve.engine.scheduler import Scheduler, SchedulerOutput
 from meshserve.engine.sequence import Sequence
-from meshserve.worker.step import SeqStep, StepInput
 from meshserve.engine.step_timeline import StepTimeline
 from meshserve.models.loader import resolve_model
 from meshserve.sampling_params import SamplingParams
 from meshserve.tokenizer import Tokenizer
 from meshserve.worker.executor import WorkerFailure
 from meshserve.worker.factory import make_executor
+from meshserve.worker.step import SeqStep, StepInput
 
 if TYPE_CHECKING:
     from meshserve.layers.sampler import SamplerOutput
@@ -263,9 +263,7 @@ class LLMEngine:
         may_stop = seq.num_output_tokens >= p.min_tokens
         if may_stop and (token in p.stop_ids or token in state.eos_token_ids):
             reason, stop_reason = "stop", (token if token in p.stop_ids else None)
-        elif p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens:
-            reason = "length"
-        elif seq.num_tokens >= self.max_model_len:
+        elif p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             reason = "length"
         sample = state.samples[seq.index]
         sample.append(token, lp, final=reason is not None, check_stops=may_stop)

@@ -22,10 +22,10 @@ import multiprocessing as mp
 import queue
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
-from typing import Callable, Sequence
 
 from meshserve.distributed.placement import ReplicaPlacement
 from meshserve.engine.core_proc import run_engine_core

@@ -92,8 +92,8 @@ def add_gateway_options(p: argparse.ArgumentParser, d: CacheAwareConfig, shared:
 
 
 def config_from_args(args: argparse.Namespace, backends: list[str], host: str, port: int) -> GatewayConfig:
-    from meshserve.routing.policies import CacheAwareConfig
     from meshserve.gateway.config import GatewayConfig
+    from meshserve.routing.policies import CacheAwareConfig
 
     cache_aware = CacheAwareConfig(prefix_credit=args.prefix_credit, decode_weight=args.decode_weight,
                                    credit_halving_tokens=args.credit_halving_tokens,

@@ -60,8 +60,8 @@ _FLEET_ONLY = {"gateway", "data_parallel_size", "host", "port", "api_key", "poli
 
 
 def add_fleet_options(p: argparse.ArgumentParser) -> None:
-    from meshserve.routing.policies import POLICIES, CacheAwareConfig
     from meshserve.entrypoints.gateway_cli import add_gateway_options
+    from meshserve.routing.policies import POLICIES, CacheAwareConfig
 
     g = p.add_argument_group("fleet (--gateway)")
     g.add_argument("--gateway", action="store_true",

@@ -27,9 +27,9 @@ from dataclasses import dataclass, field
 import aiohttp
 
 from meshserve.api.errors import APIError, bad_request
-from meshserve.routing.policies import RouteRequest, RoutingPolicy, Score
 from meshserve.gateway.config import GatewayConfig
 from meshserve.gateway.replicas import LeaseRecord, Replica, ReplicaIdentity, ReplicaSet
+from meshserve.routing.policies import RouteRequest, RoutingPolicy, Score
 
 logger = logging.getLogger(__name__)
 
@@ -112,7 +112,8 @@ class Reserver:
         replica.leases[record.lease_id] = record
         return record
 
-    async def reserve_all(self, wanted: list[tuple[Replica, AdmissionRequest, list[int], int]]) -> list[LeaseRecord] | None:
+    async def reserve_all(self, wanted: list[tuple[Replica, AdmissionRequest, list[int], int]],
+                          ) -> list[LeaseRecord] | None:
         """Leases on several replicas, all or none: a refusal releases those already granted."""
         granted: list[tuple[Replica, LeaseRecord]] = []
         try:

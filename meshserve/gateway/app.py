@@ -43,16 +43,16 @@ from meshserve.api.sse import (
     JSONBytesResponse,
     cancel_on_disconnect,
 )
-from meshserve.routing.policies import make_policy
 from meshserve.gateway.admission import DEADLINE_HEADER, Admission, Deadline, Reserver
 from meshserve.gateway.config import GatewayConfig
 from meshserve.gateway.failover import FailureProtocol
-from meshserve.gateway.request import GatewayRequest
 from meshserve.gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from meshserve.gateway.replicas import Replica, ReplicaIdentity, ReplicaSet
+from meshserve.gateway.request import GatewayRequest
 from meshserve.gateway.tenants import Tenants
 from meshserve.gateway.tracing import Tracing, setup_tracing
 from meshserve.gateway.upstream import Attempt
+from meshserve.routing.policies import make_policy
 from meshserve.sampling_params import is_greedy
 
 logger = logging.getLogger(__name__)
@@ -274,7 +274,8 @@ def _resumable(req: CompletionRequest | ChatCompletionRequest, num_prompts: int)
     """Can a continuation on another replica give the same answer (see failover.py)?"""
     asks_logprobs = (req.logprobs if isinstance(req, ChatCompletionRequest)
                      else req.logprobs is not None or req.echo)
-    return (bool(req.stream) and req.n == 1 and num_prompts == 1 and (is_greedy(req.temperature) or req.seed is not None)
+    reproducible = is_greedy(req.temperature) or req.seed is not None
+    return (bool(req.stream) and req.n == 1 and num_prompts == 1 and reproducible
             and not req.frequency_penalty and not req.presence_penalty and not asks_logprobs)
 
 

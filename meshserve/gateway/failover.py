@@ -28,7 +28,6 @@ from opentelemetry import trace
 
 from meshserve.api.errors import APIError, error_body
 from meshserve.api.sse import DONE, sse_event
-from meshserve.routing.policies import RouteRequest
 from meshserve.gateway.admission import (
     Admission,
     AdmissionRequest,
@@ -42,7 +41,6 @@ from meshserve.gateway.replicas import ReplicaSet
 from meshserve.gateway.request import GatewayRequest
 from meshserve.gateway.stream_shaper import StreamShaper
 from meshserve.gateway.tracing import Tracing
-from meshserve.sampling_params import API_PASSTHROUGH_FIELDS
 from meshserve.gateway.upstream import (
     RESERVATION_HEADER,
     TOKEN_IDS_HEADER,
@@ -51,6 +49,8 @@ from meshserve.gateway.upstream import (
     read_until_first_token,
     send,
 )
+from meshserve.routing.policies import RouteRequest
+from meshserve.sampling_params import API_PASSTHROUGH_FIELDS
 
 logger = logging.getLogger(__name__)
 

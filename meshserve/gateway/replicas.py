@@ -28,9 +28,9 @@ from dataclasses import dataclass, field
 import aiohttp
 
 from meshserve.api.load import LOAD_HEADER, ReportedLoad, parse_load
+from meshserve.gateway.config import GatewayConfig
 from meshserve.routing.block_hash import root_hash
 from meshserve.routing.policies import ReplicaLoad
-from meshserve.gateway.config import GatewayConfig
 
 logger = logging.getLogger(__name__)
 

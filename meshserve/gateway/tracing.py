@@ -36,7 +36,7 @@ class JSONLinesSpanExporter(SpanExporter):
     """One span per line: names, ids, parent, times (ns), attributes, events, status."""
 
     def __init__(self, path: str) -> None:
-        self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115 (closed at shutdown)
+        self._file = open(path, "a", encoding="utf-8")
         self._lock = threading.Lock()
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:

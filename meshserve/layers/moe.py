@@ -58,7 +58,8 @@ def sort_by_expert(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, t
     return torch.argsort(flat, stable=True), torch.bincount(flat, minlength=num_experts)
 
 
-def weighted_sum(pair_out: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, float32_weights: bool) -> torch.Tensor:
+def weighted_sum(pair_out: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                 float32_weights: bool) -> torch.Tensor:
     """sum_j w[t, j] * out[t, j] for pair_out [T * k, H] in (token, slot) order, added in ascending
     expert order, one slot at a time."""
     t, k = ids.shape

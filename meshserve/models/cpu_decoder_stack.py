@@ -1,7 +1,8 @@
 """A stage's dense decoder layers in one C++ call on CPU (csrc/decoder_stack.cpp).
 
 The module path spends a few microseconds of Python per module call and per operator; over 30
-layers that adds up to a noticeable share of a small model's decode step on a CPU. The C++ loop runs the same operators in the same order, so its output is bit-identical
+layers that adds up to a noticeable share of a small model's decode step on a CPU. The C++ loop
+runs the same operators in the same order, so its output is bit-identical
 (tests/engine/test_cpu_decoder_stack.py compares the two). It takes Llama-family layers with the
 dense SwiGLU MLP (bias on QKV allowed: Qwen2) on one tensor-parallel rank, float32 or bfloat16 on
 CPU with the CPU kernels built, for steps of the CPU attention backend; anything else (MoE, Qwen3's

@@ -11,7 +11,6 @@ from torch import nn
 from meshserve.distributed.parallel_state import get_parallel_state
 from meshserve.layers.activation import silu_and_mul
 from meshserve.layers.attention import AttentionMetadata, PagedAttention
-from meshserve.models.cpu_decoder_stack import CPUDecoderStack
 from meshserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from meshserve.layers.linear import (
     MergedColumnParallelLinear,
@@ -21,6 +20,7 @@ from meshserve.layers.linear import (
 from meshserve.layers.norm import RMSNorm
 from meshserve.layers.rotary import RotaryEmbedding
 from meshserve.layers.weight_loader import weight_loader
+from meshserve.models.cpu_decoder_stack import CPUDecoderStack
 from meshserve.models.model_config import ModelConfig
 from meshserve.models.registry import register_model
 from meshserve.models.sharding import resolve_pipeline_split

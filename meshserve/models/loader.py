@@ -14,9 +14,10 @@ import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import torch
@@ -67,7 +68,7 @@ class ModelSource:
             raise ValueError(f"{self.path} has no *.safetensors weight files")
         for f in files:
             with safe_open(str(f), framework="pt") as st:
-                for name in st.keys():
+                for name in st.keys():  # noqa: SIM118 (safe_open is no dict)
                     yield name, st.get_tensor(name)
 
 

@@ -83,7 +83,7 @@ class ModelConfig:
 
     # ---- config.json -------------------------------------------------------------------
     @classmethod
-    def from_hf_config(cls, cfg: dict, name: str = "config.json") -> "ModelConfig":
+    def from_hf_config(cls, cfg: dict, name: str = "config.json") -> ModelConfig:
         cfg = cfg.get("text_config") or cfg  # multimodal configs nest the language model
 
         def first(*keys: str, default=None):
@@ -145,7 +145,7 @@ class ModelConfig:
         )
 
     @classmethod
-    def from_json_file(cls, path: str | Path) -> "ModelConfig":
+    def from_json_file(cls, path: str | Path) -> ModelConfig:
         return cls.from_hf_config(json.loads(Path(path).read_text()), name=str(path))
 
     def to_hf_config(self) -> dict:

@@ -32,7 +32,7 @@ class ShardedDims:
     whole_experts: int = 0  # expert parallelism: routed experts, split whole across the ranks
 
     @classmethod
-    def of(cls, cfg: ModelConfig, expert_parallel: bool = False) -> "ShardedDims":
+    def of(cls, cfg: ModelConfig, expert_parallel: bool = False) -> ShardedDims:
         layers = range(cfg.num_hidden_layers)
         sizes = set()
         if any(not cfg.is_moe_layer(i) for i in layers):

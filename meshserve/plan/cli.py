@@ -80,7 +80,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     a("--plot", metavar="FILE", help="write a PNG of memory and latency per layout")
     a("--calibrate", action="store_true",
       help="measure this machine, cache it, and plan with the measured constants")
-    a("--calibration-file", help="calibration JSON (default: calibration.json in $MESHSERVE_CACHE_DIR or ~/.cache/meshserve)")
+    a("--calibration-file",
+      help="calibration JSON (default: calibration.json in $MESHSERVE_CACHE_DIR or ~/.cache/meshserve)")
     a("--list-models", action="store_true", help="list catalog models")
     a("--list-gpus", action="store_true", help="list catalog GPUs")
     p.set_defaults(func=run)

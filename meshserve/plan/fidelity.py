@@ -6,8 +6,8 @@ transformers forward pass as a reference) live with the benchmarks, in `benchmar
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from .timing import PerfModel
 

@@ -24,7 +24,7 @@ class LayerParams:
     def total(self) -> float:
         return self.attention + self.dense + self.experts
 
-    def scaled(self, f: float) -> "LayerParams":
+    def scaled(self, f: float) -> LayerParams:
         return LayerParams(self.attention * f, self.kv_proj * f, self.dense * f, self.experts * f)
 
 
@@ -46,7 +46,7 @@ class ParamCounts:
         idle = 1.0 - spec.experts_per_token / spec.num_experts
         return self.total - idle * sum(l.experts for l in self.layers)
 
-    def scaled(self, f: float) -> "ParamCounts":
+    def scaled(self, f: float) -> ParamCounts:
         return replace(self, embedding=self.embedding * f, lm_head=self.lm_head * f,
                        final_norm=self.final_norm * f,
                        layers=tuple(l.scaled(f) for l in self.layers))

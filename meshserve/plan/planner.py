@@ -79,7 +79,7 @@ class PlanConfig:
             raise RuntimeError("PlanConfig.validate() has not run: its defaults are not filled in yet")
         return self._resolved
 
-    def validate(self) -> "PlanConfig":
+    def validate(self) -> PlanConfig:
         dtype_bytes(self.weight_dtype)
         self.kv_cache_dtype = resolve_kv_dtype(self.kv_cache_dtype, self.weight_dtype)
         if self.gpu_memory_gib is not None:

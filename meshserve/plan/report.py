@@ -84,7 +84,8 @@ def format_report(result: PlanResult) -> str:
                     _num(m.max_kv_tokens, "{:,}")] if m else [_num(None)] * 5
         mem_rows.append([p.layout.name, p.status, rank, *mem_cols])
         if op:
-            a2a = p.decode_batch1_parts.get("all_to_all_dispatch", 0) + p.decode_batch1_parts.get("all_to_all_combine", 0)
+            parts = p.decode_batch1_parts
+            a2a = parts.get("all_to_all_dispatch", 0) + parts.get("all_to_all_combine", 0)
             moe_cols = [_ms(a2a)] if result.config.model.is_moe else []
             time_rows.append([p.layout.name, rank, _ms(p.decode_batch1_s), *moe_cols, _ms(p.prefill_s),
                               _num(op.concurrency, "{:,.1f}"),
@@ -105,10 +106,12 @@ def format_report(result: PlanResult) -> str:
                            "tok/s/user", "tok/s/replica", "KV hand-off ms", "SLO cap req/s",
                            "goodput req/s", "limit"], time_rows))
     c = result.config
-    knobs = f"{c.max_num_batched_tokens:,} tokens a step" + (
-        f", prompts join decodes {c.prefill_chunk_with_decodes:,} tokens at a time" if c.prefill_chunk_with_decodes else "") + (
-        f", {c.serving_overhead_ms:g} ms serving path per TTFT" if c.serving_overhead_ms else "") + (
-        f", {c.token_overhead_ms:g} ms serving path per streamed token" if c.token_overhead_ms else "")
+    knobs = "".join([
+        f"{c.max_num_batched_tokens:,} tokens a step",
+        (f", prompts join decodes {c.prefill_chunk_with_decodes:,} tokens at a time"
+         if c.prefill_chunk_with_decodes else ""),
+        f", {c.serving_overhead_ms:g} ms serving path per TTFT" if c.serving_overhead_ms else "",
+        f", {c.token_overhead_ms:g} ms serving path per streamed token" if c.token_overhead_ms else ""])
     for p in shown:
         if (sim := p.simulated) is None:
             continue

@@ -18,7 +18,8 @@ Pipeline parallelism: a decode step splits its batch into M micro-batches of B/M
 drain the P stages: the first crosses every stage, each later one follows a slowest stage
 behind, so the step takes sum(stage times) + (M - 1) x slowest (+ sends), which is
 (M + P - 1) x t for equal stages. The step uses the M in 1..min(B, P) that is fastest, and
-the stages are busy M / (M + P - 1) of it. Memory-bound steps pick M = 1 (splitting re-reads the weights); compute-bound ones split.
+the stages are busy M / (M + P - 1) of it. Memory-bound steps pick M = 1 (splitting re-reads the
+weights); compute-bound ones split.
 Engines that overlap successive steps (vLLM's virtual engines) can do better at large batches.
 Measured profile (`meshserve plan --calibrate` on the machine itself, dense models): the rooflines
 are lower bounds that a CPU misses by 1.5-3x, since with tens of rows neither the weight stream nor
@@ -236,7 +237,8 @@ class PerfModel:
             # kernel call pays the host's launch time.
             linear = body_bytes * per_byte + head_bytes * (self.gpu.linear_seconds_per_byte(head_tokens) or 0.0)
             prefill_rate = self.gpu.attention_flops or self.flops
-            attention = prompt_tokens * kv_bytes_per_token / self.bandwidth + prompt_pairs * flops_per_pair / prefill_rate
+            attention = (prompt_tokens * kv_bytes_per_token / self.bandwidth
+                         + prompt_pairs * flops_per_pair / prefill_rate)
             if self.gpu.decode_attention_flops:
                 attention += decode_pairs * flops_per_pair / self.gpu.decode_attention_flops
             else:

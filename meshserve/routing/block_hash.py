@@ -8,7 +8,7 @@ string (salted per process), so every process computes the same chain for the sa
 from __future__ import annotations
 
 import hashlib
-from typing import Sequence
+from collections.abc import Sequence
 
 
 def root_hash(extra_key: str) -> int:

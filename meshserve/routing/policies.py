@@ -13,9 +13,9 @@ from __future__ import annotations
 import itertools
 import logging
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Sequence
 
 from meshserve.routing.block_hash import prompt_block_hashes
 from meshserve.routing.prefix_index import PrefixIndex

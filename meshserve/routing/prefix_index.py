@@ -10,7 +10,7 @@ template, tenant), so a hit never crosses scopes, and the index holds at most `m
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Sequence
+from collections.abc import Sequence
 
 
 class PrefixIndex:

@@ -20,8 +20,8 @@ from meshserve.api.protocol import (
 )
 from meshserve.api.sse import JSONBytesResponse
 from meshserve.distributed.expert_load import summarize
-from meshserve.engine.messages import ReserveRequest
 from meshserve.engine.client import EngineCallError, EngineDeadError
+from meshserve.engine.messages import ReserveRequest
 from meshserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from meshserve.server.serving import ServingContext
 from meshserve.server.serving_chat import create_chat_completion

@@ -7,7 +7,8 @@ import json
 import logging
 import os
 import signal
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from meshserve.distributed.placement import place_for_device
 from meshserve.engine.client import EngineClient

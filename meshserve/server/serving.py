@@ -8,8 +8,8 @@ import hashlib
 import logging
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 from starlette.requests import Request
@@ -27,8 +27,6 @@ from meshserve.api.sse import (
     cancel_on_disconnect,
     sse_event,
 )
-from meshserve.engine.messages import RequestDelta
-from meshserve.sampling_params import API_PASSTHROUGH_FIELDS, SamplingParams
 from meshserve.engine.client import (
     EngineCallError,
     EngineClient,
@@ -36,6 +34,8 @@ from meshserve.engine.client import (
     EngineRejectedError,
     EngineRequestFailed,
 )
+from meshserve.engine.messages import RequestDelta
+from meshserve.sampling_params import API_PASSTHROUGH_FIELDS, SamplingParams
 from meshserve.server.server_config import ServerConfig
 
 logger = logging.getLogger(__name__)

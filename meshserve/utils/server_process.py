@@ -15,8 +15,8 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Mapping
 from signal import Signals  # in the class, `signal` names its method
-from typing import Mapping
 
 import aiohttp
 
@@ -39,14 +39,14 @@ class LaunchedServer:
         self.env, self.cwd = env, cwd
         self.proc: subprocess.Popen[bytes] | None = None
 
-    def start(self) -> "LaunchedServer":
+    def start(self) -> LaunchedServer:
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=log,
                                          stderr=subprocess.STDOUT, start_new_session=True,
                                          env=None if self.env is None else dict(self.env), cwd=self.cwd)
         return self
 
-    def __enter__(self) -> "LaunchedServer":
+    def __enter__(self) -> LaunchedServer:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

@@ -21,10 +21,10 @@ from meshserve.distributed.expert_load import (
     format_expert_matrix_csv,
 )
 from meshserve.distributed.timing import TimingStats, mean_timing
-from meshserve.worker.rank_messages import RankMethod
-from meshserve.worker.step import RankStepOutput, StepInput, StepResult
 from meshserve.layers.sampler import SamplerOutput
 from meshserve.models.loader import ModelSource
+from meshserve.worker.rank_messages import RankMethod
+from meshserve.worker.step import RankStepOutput, StepInput, StepResult
 from meshserve.worker.worker import Worker
 
 logger = logging.getLogger("meshserve")

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from meshserve.worker.step import SeqStep, StepInput
 from meshserve.sampling_params import MAX_LOGPROBS, SamplingParams
+from meshserve.worker.step import SeqStep, StepInput
 
 GIB = 1 << 30
 

@@ -14,16 +14,15 @@ import torch
 from meshserve.config import CPU_DEFAULT_KV_BYTES, EngineConfig
 from meshserve.distributed.expert_load import ExpertLoadRecorder
 from meshserve.distributed.parallel_state import get_parallel_state
-from meshserve.worker.step import StepInput
 from meshserve.layers import cpu_kernels
 from meshserve.layers.attention import AttentionSpec, select_backend
 from meshserve.layers.cpu_gemm import prepack_model, warm_up_packed
 from meshserve.layers.host_to_device import to_device
 from meshserve.layers.moe import SparseMoeBlock
 from meshserve.layers.sampler import Sampler, SamplerOutput
-from meshserve.models.loader import ModelSource
 from meshserve.models.geometry import kv_block_bytes
 from meshserve.models.llama import LlamaForCausalLM
+from meshserve.models.loader import ModelSource
 from meshserve.models.model_config import ModelConfig
 from meshserve.models.registry import model_class
 from meshserve.sampling_params import SamplingParams
@@ -35,6 +34,7 @@ from meshserve.worker.memory_budget import (
     plan_kv_cache,
     profile_steps,
 )
+from meshserve.worker.step import StepInput
 from meshserve.worker.step_packing import PackedStep, pack_step
 
 logger = logging.getLogger(__name__)
@@ -115,7 +115,8 @@ class ModelRunner:
         """oneDNN's primitives for the row counts of steps that run beside decodes (a prompt chunk
         plus every running sequence), built now rather than by the first requests that meet them."""
         cfg = self.config
-        rows = min(cfg.batched_token_budget(self.max_model_len), (cfg.prefill_chunk_with_decodes or 0) + cfg.max_num_seqs)
+        rows = min(cfg.batched_token_budget(self.max_model_len),
+                   (cfg.prefill_chunk_with_decodes or 0) + cfg.max_num_seqs)
         t0 = time.perf_counter()
         calls = warm_up_packed(self.model, rows, cfg.max_num_seqs)
         if calls and self.ps.rank == 0:

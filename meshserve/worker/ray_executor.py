@@ -17,10 +17,10 @@ from datetime import timedelta
 from typing import TYPE_CHECKING
 
 from meshserve.config import EngineConfig
-from meshserve.worker.step import StepInput
 from meshserve.models.loader import ModelSource
 from meshserve.worker.executor import DistributedExecutor, WorkerFailure
 from meshserve.worker.rank_messages import RankCall, RankMethod
+from meshserve.worker.step import StepInput
 
 if TYPE_CHECKING:  # imported in the actor, where they run
     from torch.distributed import TCPStore

@@ -18,7 +18,6 @@ from meshserve.distributed.parallel_state import (
 )
 from meshserve.distributed.placement import pin_to_cores
 from meshserve.distributed.timing import RankTiming
-from meshserve.worker.step import RankStepOutput, StepInput
 from meshserve.layers.host_to_device import to_device
 from meshserve.models.loader import ModelSource
 from meshserve.worker.microbatch import (
@@ -27,6 +26,7 @@ from meshserve.worker.microbatch import (
     split_microbatches,
 )
 from meshserve.worker.model_runner import ModelRunner
+from meshserve.worker.step import RankStepOutput, StepInput
 
 logger = logging.getLogger("meshserve")
 
