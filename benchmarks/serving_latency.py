@@ -158,7 +158,8 @@ async def measure(a: argparse.Namespace, found: list[Engine], urls: list[str], p
                   file=sys.stderr, flush=True)
     for engine in found:
         engine.rows = [median_row([r for r in engine.runs if r["rate"] == rate]) for rate, _ in loads]
-    planned.update({rate: median_row(sims) for rate, sims in predicted.items()})
+    # A rate the planner finds beyond what the machine sustains has no prediction (None): not predicted.
+    planned.update({rate: median_row(known) for rate, sims in predicted.items() if (known := [p for p in sims if p])})
     if not a.no_sweep:
         await sweep_in_turns(a, [(e, url) for e, url in zip(found, urls) if e.sweep_it])
 

@@ -5,7 +5,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
-import pytest  # noqa: E402
+import pytest
 
 
 def make_peaked_model(path, num_layers: int = 2, vocab_size: int = 49152):

@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from meshserve.sampling_params import SamplingParams
 
+
 def examples(default: int) -> int:
     """How many batches a property test draws: `default` in the suite, more with
     MESHSERVE_FUZZ_EXAMPLES=500 pytest ..."""

@@ -101,10 +101,7 @@ class _SSE:
         await self.event({**self.base, "choices": choices, **extra})
 
     async def token(self, text: str, finish: str | None = None) -> None:
-        if self.chat:
-            choice = {"index": 0, "delta": {"content": text} if text else {}}
-        else:
-            choice = {"index": 0, "text": text}
+        choice = {"index": 0, "delta": {"content": text} if text else {}} if self.chat else {"index": 0, "text": text}
         await self.chunk([{**choice, "finish_reason": finish}])
 
 
@@ -193,7 +190,7 @@ class FakeServer:
         await resp.write_eof()
         return resp
 
-    async def _generate(self, sse: "_SSE", max_tokens: int, fail_at: int | None,
+    async def _generate(self, sse: _SSE, max_tokens: int, fail_at: int | None,
                         rid: str) -> bool:
         """Token chunks on schedule; False when the stream was broken on purpose."""
         start = time.perf_counter()

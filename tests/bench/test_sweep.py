@@ -49,13 +49,22 @@ def test_sweep_config_validation_and_ordering():
 
 
 def test_sweep_stops_at_the_first_failure_and_reports_the_curve(tmp_path):
-    # The server runs two requests at a time (40 ms to the first token, 130 ms in all) and
-    # queues the rest: from three concurrent requests on, most wait a whole request for a
-    # slot and miss the 110 ms TTFT SLO. The margins absorb scheduling noise.
-    with fake_server("--ttft-ms", "40", "--itl-ms", "30", "--max-num-seqs", "2") as url:
+    # The server runs two requests at a time and queues the rest; each holds its seat for at least
+    # SERVICE_MS (the fake sleeps to its deadlines: a slow machine only adds). The SLO is set from
+    # those delays, far from both outcomes, so that neither depends on how fast this machine is:
+    # * at concurrency 2 no request waits: TTFT is TTFT_MS plus the machine's overhead, 200 ms of
+    #   room under the SLO (and 2 of the 12 may miss it: attainment 0.8);
+    # * from 3 concurrent requests on, one or more always waits for a seat. However the two seats'
+    #   finishing times drift apart, of two successive waits one lasts at least SERVICE_MS / 2 = 300 ms,
+    #   so at least a third of the requests have a TTFT of 330 ms or more, 100 ms past the SLO.
+    ttft_ms, itl_ms, output_len = 30, 190, 4
+    service_ms = ttft_ms + (output_len - 1) * itl_ms  # 600
+    slo_ttft_ms = ttft_ms + 200  # below TTFT_MS + SERVICE_MS / 2
+    assert slo_ttft_ms + 100 <= ttft_ms + service_ms / 2
+    with fake_server("--ttft-ms", str(ttft_ms), "--itl-ms", str(itl_ms), "--max-num-seqs", "2") as url:
         rc = run_bench(["sweep", "--base-url", url, "--concurrencies", "2,4,8",
                         "--num-prompts", "12", "--random-input-len", "32",
-                        "--random-output-len", "4", "--goodput", "ttft:110",
+                        "--random-output-len", str(output_len), "--goodput", f"ttft:{slo_ttft_ms}",
                         "--slo-attainment", "0.8", "--refine-steps", "1", "--disable-tqdm",
                         "--save-result", "--result-dir", str(tmp_path),
                         "--result-filename", "sweep.json"])
@@ -65,7 +74,7 @@ def test_sweep_stops_at_the_first_failure_and_reports_the_curve(tmp_path):
     assert [p["load"] for p in sweep["points"]] == [2, 3, 4]
     assert [p["passed"] for p in sweep["points"]] == [True, False, False]
     assert sweep["max_load_meeting_slo"] == 2
-    assert sweep["goodput_slos_ms"] == {"ttft": 110.0}
+    assert sweep["goodput_slos_ms"] == {"ttft": float(slo_ttft_ms)}
     for p in sweep["points"]:
         assert p["result"]["max_concurrency"] == p["load"]
         assert p["result"]["completed"] == 12

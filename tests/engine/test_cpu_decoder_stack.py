@@ -6,11 +6,11 @@ import pytest
 import torch
 from tiny_model import tiny_runner
 
-from meshserve.worker.step import SeqStep, StepInput
 from meshserve.layers import cpu_kernels
 from meshserve.layers.attention import create_backend
 from meshserve.models.cpu_decoder_stack import CPUDecoderStack
 from meshserve.models.llama import LlamaAttention, LlamaMLP
+from meshserve.worker.step import SeqStep, StepInput
 from meshserve.worker.step_packing import pack_step
 
 BLOCK = 8

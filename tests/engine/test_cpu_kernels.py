@@ -344,8 +344,8 @@ def _packed_row_counts():
 def test_warm_up_builds_the_row_counts_that_steps_bring(tmp_path, dtype):
     from tiny_model import tiny_runner
 
-    from meshserve.worker.step import SeqStep, StepInput
     from meshserve.sampling_params import SamplingParams
+    from meshserve.worker.step import SeqStep, StepInput
 
     with _packed_row_counts() as warmed:  # the runner builds them as it starts
         runner = tiny_runner(tmp_path, dtype=dtype, max_num_seqs=8, prefill_chunk_with_decodes=24)

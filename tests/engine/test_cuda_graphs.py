@@ -6,21 +6,21 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are defined: CPU tensors, no GPU
 
-import torch  # noqa: E402
-from tiny_model import tiny_runner  # noqa: E402
+import torch
+from tiny_model import tiny_runner
 
-from meshserve.layers.attention import AttentionSpec, create_backend  # noqa: E402
-from meshserve.layers.attention.triton_backend import TritonAttentionMetadata  # noqa: E402
-from meshserve.worker.step import SeqStep, StepInput  # noqa: E402
-from meshserve.layers.cpu_gemm import PrepackedMatmul  # noqa: E402
-from meshserve.worker.cuda_graphs import (  # noqa: E402
+from meshserve.layers.attention import AttentionSpec, create_backend
+from meshserve.layers.attention.triton_backend import TritonAttentionMetadata
+from meshserve.layers.cpu_gemm import PrepackedMatmul
+from meshserve.worker.cuda_graphs import (
     DecodeGraphInputs,
     DecodeGraphs,
     capture_sizes,
     graphs_disabled_reason,
     padded_batch_size,
 )
-from meshserve.worker.step_packing import pack_step  # noqa: E402
+from meshserve.worker.step import SeqStep, StepInput
+from meshserve.worker.step_packing import pack_step
 
 BLOCK = 8
 CPU = torch.device("cpu")

@@ -89,7 +89,7 @@ def test_cuda_comm_timing_reads_events_at_the_end_of_the_step(monkeypatch):
     capturing = [False]
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
     timer = CommTimer(torch.device("cuda"))
-    for step in range(2):
+    for _ in range(2):
         for duration in (0.25, 0.5):
             with timer.timed("all_reduce"):
                 FakeEvent.clock += duration  # the collective runs on the device

@@ -4,20 +4,20 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are defined: CPU tensors, no GPU
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-from tiny_model import tiny_runner  # noqa: E402
+import pytest
+import torch
+from tiny_model import tiny_runner
 
-from meshserve.layers.attention import backend_names, create_backend  # noqa: E402
-from meshserve.sampling_params import MAX_LOGPROBS  # noqa: E402
-from meshserve.worker.memory_budget import (  # noqa: E402
+from meshserve.layers.attention import backend_names, create_backend
+from meshserve.sampling_params import MAX_LOGPROBS
+from meshserve.worker.memory_budget import (
     GIB,
     DeviceMemoryProfile,
     decode_step,
     plan_kv_cache,
     profile_steps,
 )
-from meshserve.worker.step_packing import pack_step  # noqa: E402
+from meshserve.worker.step_packing import pack_step
 
 MIB = 1 << 20
 

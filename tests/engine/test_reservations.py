@@ -5,10 +5,10 @@ import random
 
 import pytest
 
-from meshserve.routing.block_hash import prompt_block_hashes, root_hash
 from meshserve.engine.block_manager import BlockManager, ReservationError
 from meshserve.engine.scheduler import Scheduler
 from meshserve.engine.sequence import Sequence
+from meshserve.routing.block_hash import prompt_block_hashes, root_hash
 from meshserve.sampling_params import SamplingParams
 
 BS = 4

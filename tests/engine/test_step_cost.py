@@ -9,9 +9,9 @@ import time
 
 from meshserve.config import EngineConfig
 from meshserve.engine.llm_engine import LLMEngine
-from meshserve.worker.step import StepResult
 from meshserve.layers.sampler import SamplerOutput
 from meshserve.sampling_params import SamplingParams
+from meshserve.worker.step import StepResult
 
 LONG = 4000
 

@@ -51,7 +51,8 @@ def test_a_cpu_server_caps_the_prompt_tokens_joining_running_decodes_at_256(tmp_
         engine = LLMEngine(replace(config, step_trace=str(trace)))
         engine.add_request("running", list(range(10, 20)), SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
         engine.step()
-        engine.add_request("long", list(range(100, 700)), SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+        long = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+        engine.add_request("long", list(range(100, 700)), long)
         while engine.has_unfinished_requests():
             engine.step()
         engine.shutdown()

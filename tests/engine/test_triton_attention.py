@@ -7,14 +7,14 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are defined: CPU tensors, no GPU
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
-from meshserve.worker.step import SeqStep, StepInput  # noqa: E402
-from meshserve.layers import paged_launch  # noqa: E402
-from meshserve.layers.attention import AttentionSpec, create_backend  # noqa: E402
-from meshserve.layers.attention.triton_backend import TritonAttentionMetadata  # noqa: E402
-from meshserve.worker.step_packing import pack_step  # noqa: E402
+from meshserve.layers import paged_launch
+from meshserve.layers.attention import AttentionSpec, create_backend
+from meshserve.layers.attention.triton_backend import TritonAttentionMetadata
+from meshserve.worker.step import SeqStep, StepInput
+from meshserve.worker.step_packing import pack_step
 
 CPU = torch.device("cpu")
 

@@ -5,11 +5,11 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are defined: CPU tensors, no GPU
 
-from tiny_model import write_tiny_config  # noqa: E402
+from tiny_model import write_tiny_config
 
-from meshserve import LLM, SamplingParams  # noqa: E402
-from meshserve.layers.attention import create_backend  # noqa: E402
-from meshserve.layers.cpu_gemm import prepack_model  # noqa: E402
+from meshserve import LLM, SamplingParams
+from meshserve.layers.attention import create_backend
+from meshserve.layers.cpu_gemm import prepack_model
 
 GREEDY = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
 

@@ -31,7 +31,7 @@ STARTUP_S = 300.0
 
 
 def _process(argv: list[str], port: int | None = None) -> LaunchedServer:
-    log = tempfile.NamedTemporaryFile(prefix="meshserve-gw-test-", suffix=".log", delete=False)  # noqa: SIM115
+    log = tempfile.NamedTemporaryFile(prefix="meshserve-gw-test-", suffix=".log", delete=False)
     log.close()
     port = port if port is not None else free_port()
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}

@@ -132,7 +132,10 @@ def test_a_deadline_that_passes_in_the_queue_answers_503_and_a_full_queue_429(fl
 
     late, waited, full, bad, queued = run(scenario())
     assert late[0] == 503 and late[1]["error"]["code"] == "deadline_exceeded" and late[2]["Retry-After"]
-    assert 0.4 <= waited < 5, waited
+    # Answered once its 500 ms deadline passed, not before (a sleep is never short) and not at the end
+    # of a wait that ignored it: without the header a request waits --max-queue-wait, 30 s by
+    # default. 15 s, 30x the deadline, is for a loaded machine.
+    assert 0.4 <= waited < 15, waited
     assert full[0] == 429 and full[1]["error"]["code"] == "queue_full" and full[2]["Retry-After"]
     assert bad[0] == 400 and "X-Request-Deadline-Ms" in bad[1]["error"]["message"]
     assert queued[0] == 200, queued

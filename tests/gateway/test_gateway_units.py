@@ -9,7 +9,6 @@ from hypothesis import strategies as st
 
 from meshserve.api.errors import APIError
 from meshserve.api.load import ReportedLoad
-from meshserve.routing.policies import RouteRequest
 from meshserve.gateway.admission import Admission, AdmissionRequest, Deadline, Placement
 from meshserve.gateway.config import GatewayConfig
 from meshserve.gateway.failover import RetryBudget
@@ -20,6 +19,7 @@ from meshserve.gateway.replicas import (
     ReplicaIdentity,
 )
 from meshserve.gateway.tenants import _EPSILON, Tenant, TenantConfig, Tenants, TokenBucket
+from meshserve.routing.policies import RouteRequest
 
 
 class Clock:

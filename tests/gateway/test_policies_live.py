@@ -48,9 +48,14 @@ def test_round_robin_alternates(fleet):
 
 
 class _Busy:
-    """n long streams sent straight to one replica (traffic the gateway does not see), ended on exit."""
+    """n long streams sent straight to one replica (traffic the gateway does not see), ended on exit.
 
-    def __init__(self, base: str, n: int, max_tokens: int = 120) -> None:
+    They must outlast what the test does meanwhile: one that finished would show in the replica's
+    finished-request count, which says where the test's own requests went. So they are as long as
+    the context allows (34 prompt tokens + 200 of 256): none can end before 200 decode steps, seconds
+    even on a fast machine. They cost no time, being cancelled on exit."""
+
+    def __init__(self, base: str, n: int, max_tokens: int = 200) -> None:
         self.base, self.n, self.max_tokens = base, n, max_tokens
 
     async def __aenter__(self):

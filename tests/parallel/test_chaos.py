@@ -63,7 +63,7 @@ def _one(client: httpx.Client, i: int) -> str:
 _print_lock = threading.Lock()
 
 
-def _client_thread(url: str, todo: "queue.Queue[int]") -> None:
+def _client_thread(url: str, todo: queue.Queue[int]) -> None:
     with httpx.Client(base_url=url, timeout=REQUEST_TIMEOUT_S) as client:
         while True:
             try:

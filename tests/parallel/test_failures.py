@@ -8,6 +8,8 @@ from parallel_helpers import ENGINE_ARGS, GREEDY, prompts
 
 from meshserve import LLM, SamplingParams
 from meshserve.worker.executor import WorkerFailure
+from meshserve.worker.mp_executor import STEP_ERROR_GRACE_S
+from meshserve.worker.rank_messages import RankMethod
 
 
 def test_killed_worker_fails_the_engine_within_seconds(tiny_kv2):
@@ -23,7 +25,7 @@ def test_killed_worker_fails_the_engine_within_seconds(tiny_kv2):
             """The third step is sent to every rank, then rank 1 dies while the engine waits for it."""
             broadcast(method, *args)
             steps.append(method)
-            if steps.count("execute") == 3:
+            if steps.count(RankMethod.EXECUTE) == 3:
                 killed_at.append(time.monotonic())
                 os.kill(victim.pid, signal.SIGKILL)
 
@@ -31,7 +33,11 @@ def test_killed_worker_fails_the_engine_within_seconds(tiny_kv2):
         with pytest.raises(WorkerFailure, match=r"worker rank 1 \(pid \d+\) was killed by SIGKILL") as err:
             llm.generate(["Hello there"], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))
         assert err.value.rank == 1
-        assert time.monotonic() - killed_at[0] < 5.0
+        # Seen through the dead process's sentinel at once (then 0.3 s for the peers' replies, and the
+        # others are stopped): well inside the grace a rank's step error gets (10 s), the slower way
+        # the failure could have been noticed. That, not a few seconds a loaded machine may miss, is
+        # the bound.
+        assert time.monotonic() - killed_at[0] < STEP_ERROR_GRACE_S
         assert not any(p.is_alive() for p in executor.procs)  # the surviving rank was stopped too
         with pytest.raises(WorkerFailure, match="rank 1"):
             executor.check_health()

@@ -6,11 +6,11 @@ import psutil
 import pytest
 
 from meshserve import LLM
-from meshserve.worker.step import SeqStep, StepInput
 from meshserve.models.model_config import ModelConfig
 from meshserve.models.sharding import ShardedDims, check_parallel_layout, valid_tp_sizes
 from meshserve.sampling_params import SamplingParams
 from meshserve.worker.microbatch import split_microbatches
+from meshserve.worker.step import SeqStep, StepInput
 
 
 def _cfg(heads=8, kv=2, layers=4, inter=128) -> ModelConfig:

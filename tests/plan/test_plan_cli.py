@@ -87,7 +87,12 @@ def test_plot_writes_png(capsys, tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
 
 
-def test_calibrate_caches_and_this_machine_reuses_it(capsys, tmp_path):
+def test_calibrate_caches_and_this_machine_reuses_it(capsys, tmp_path, monkeypatch):
+    # The calibration (a child process) measures with one thread: a multi-threaded timing waits at
+    # every barrier for whichever thread another process displaced, and on a busy machine one figure
+    # then comes out several times slower than the next, measured a second later. With one thread
+    # other processes slow a figure by about their share of the CPU.
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
     cache = tmp_path / "calibration.json"
     doc = run_json(capsys, ["plan", "--calibrate", "--calibration-file", str(cache),
                             "--model", "SmolLM2-135M", "--weight-dtype", "fp32"])
@@ -101,8 +106,10 @@ def test_calibrate_caches_and_this_machine_reuses_it(capsys, tmp_path):
     assert saved["attention_flops"] > 0 and saved["op_overhead_s"] > 0
     # The engine's own decode kernel, with its cache reads, is slower per FLOP than prefill attention.
     assert 0 < saved["decode_attention_flops"] < saved["attention_flops"]
-    # The engine's own fixed costs: a one-row decode step of a tiny model costs something per layer.
-    assert saved["layer_overhead_s"] > 0 and saved["step_overhead_s"] >= 0
+    # The engine's own fixed costs, measured. Each is the difference of two separately timed medians,
+    # clamped at zero, which on a busy machine can fall within their noise (a step of 2 layers timed
+    # slower than one of 12): that they are split right is test_engine_overheads_split_per_step_and_per_layer.
+    assert saved["layer_overhead_s"] >= 0 and saved["step_overhead_s"] >= 0
     assert doc["gpu"]["name"] == "this-machine" and doc["gpu"]["measured"]
     assert doc["gpu"]["hbm_bandwidth"] == saved["memory_bandwidth"]
     assert doc["inputs"]["compute_efficiency"] == 1.0     # measured rates are achievable rates
@@ -118,9 +125,44 @@ def test_calibrate_caches_and_this_machine_reuses_it(capsys, tmp_path):
                             "--model", "SmolLM2-135M", "--weight-dtype", "fp32"])
     assert old["gpu"]["gemm_profile"] in ([], None, ())
     # Peak rates and no fixed costs: not slower than the profiled plan, beyond the noise between the
-    # calibration's own measurements (its peak and its profile are separate timings).
+    # calibration's own measurements (its peak and its profile are separate timings: old / profiled
+    # was 0.5 on an idle machine and up to 1.2 with two cores kept busy; 3x still fails a roofline in
+    # the wrong unit). That the rooflines are the faster model is shown on fixed figures in
+    # test_plan_model.py.
     old_ms, profiled_ms = old["layouts"][0]["time"]["prefill_ms"], doc["layouts"][0]["time"]["prefill_ms"]
-    assert old_ms != profiled_ms and old_ms < 1.1 * profiled_ms
+    assert old_ms != profiled_ms and old_ms < 3 * profiled_ms
+
+
+def test_engine_overheads_split_per_step_and_per_layer(monkeypatch):
+    """The calibration times one-row decode steps of a tiny model at two depths: the difference is the
+    cost per layer, the rest the cost per step. On a controlled clock (the runner costs 0.1 ms a layer
+    and its sampler 1 ms a step) the split is exact, however busy this machine is."""
+    import torch
+
+    from meshserve.calibration.measure import measure_engine_overheads
+    from meshserve.worker import model_runner
+
+    now = [0.0]
+
+    class Runner:  # stands in for the engine's ModelRunner, which the calibration builds per depth
+        def __init__(self, config, source, max_model_len):
+            from pathlib import Path
+
+            self.layers = json.loads(Path(config.model).read_text())["num_hidden_layers"]
+
+        def init_kv_cache(self, num_blocks):
+            pass
+
+        def forward(self, step):
+            now[0] += 1e-4 * self.layers
+            return torch.zeros(len(step.seqs), 8), [len(step.seqs) - 1]
+
+        def sample(self, step, hidden_rows):
+            now[0] += 1e-3
+
+    monkeypatch.setattr(model_runner, "ModelRunner", Runner)
+    step_s, layer_s = measure_engine_overheads(clock=lambda: now[0])
+    assert step_s == pytest.approx(1e-3) and layer_s == pytest.approx(1e-4)
 
 
 def test_calibrations_average_by_time_per_unit_of_work():

@@ -24,8 +24,8 @@ import pytest
 import torch
 
 from benchmarks.step_timers import EngineStepTimer
-from meshserve.plan import get_gpu, get_model
 from meshserve.calibration.measure import calibrate
+from meshserve.plan import get_gpu, get_model
 from meshserve.plan.fidelity import compare_decode_steps
 from meshserve.plan.planner import make_perf_model
 

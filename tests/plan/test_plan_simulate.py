@@ -10,9 +10,9 @@ from hypothesis import strategies as st
 
 from meshserve.cli import main
 from meshserve.plan import get_gpu, get_model
+from meshserve.plan import simulate as simulate_module
 from meshserve.plan.goodput import Workload, operating_point, slo_capacity
 from meshserve.plan.planner import make_perf_model
-from meshserve.plan import simulate as simulate_module
 from meshserve.plan.simulate import _run, served_steps, simulate
 
 

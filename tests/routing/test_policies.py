@@ -4,7 +4,6 @@ import random
 import pytest
 
 from meshserve.routing.block_hash import root_hash
-from meshserve.routing.prefix_index import PrefixIndex
 from meshserve.routing.policies import (
     CacheAware,
     CacheAwareConfig,
@@ -14,6 +13,7 @@ from meshserve.routing.policies import (
     RouteRequest,
     make_policy,
 )
+from meshserve.routing.prefix_index import PrefixIndex
 
 
 def test_round_robin_cycles_over_the_candidates_in_index_order():

@@ -5,6 +5,12 @@ per sequence. Tokens are UTF-8 bytes (vocabulary 256). A prompt containing CRASH
 fail after its second token, which kills the engine process like a real fault would; one containing
 WEDGE makes its step hang forever (an engine that never reads its pipe again).
 
+Controls for tests that must not depend on how fast the machine is: while the --pause-file exists,
+a running request gets its first token and then no more (it holds its seat for as long as the test
+needs, where a stream of N tokens would end after N step delays, sooner than a busy machine's test
+may get its checks done); while the --restart-gate exists, a restarted engine does not finish
+loading (the window in which the server runs without it lasts until the test closes it).
+
 Run a server over it:  PYTHONPATH=tests/server python -c "import server_fake_engine as f; f.main()" --port P
 """
 from __future__ import annotations
@@ -44,11 +50,15 @@ class FakeEngine:
     """Implements engine/protocol.py's EngineProtocol (without reservations)."""
 
     def __init__(self, step_delay: float = 0.002, max_num_seqs: int = 8, max_model_len: int = 128,
-                 restart_delay: float = 0.0, started_marker: str | None = None):
-        if started_marker is not None:  # a restart (the marker exists) takes restart_delay to load
-            if os.path.exists(started_marker):
+                 restart_delay: float = 0.0, started_marker: str | None = None,
+                 pause_file: str | None = None, restart_gate: str | None = None):
+        if started_marker is not None:  # a restart (the marker exists) takes restart_delay to load,
+            if os.path.exists(started_marker):  # and waits while the restart gate exists
                 time.sleep(restart_delay)
+                while restart_gate is not None and os.path.exists(restart_gate):
+                    time.sleep(0.01)
             open(started_marker, "a").close()
+        self.pause_file = pause_file
         self.tokenizer = FakeTokenizer()
         self.model_info = ModelInfo("fake-echo", max_model_len, "0123456789abcdef", 256)
         self.step_delay = step_delay
@@ -88,7 +98,10 @@ class FakeEngine:
             self.prompt_tokens += len(req.prompt_ids)
             self.running.append(req)
         deltas = []
+        held = self.pause_file is not None and os.path.exists(self.pause_file)
         for req in self.running:
+            if held and all(sample.token_ids for sample in req.samples):
+                continue  # paused: it has its first token, and gets no more for now
             for sample in req.samples:
                 if not sample.finished:
                     self._advance(req, sample)
@@ -158,6 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-prompts-per-request", type=int, default=64)
     p.add_argument("--max-engine-restarts", type=int, default=5)
     p.add_argument("--restart-delay", type=float, default=0.0, help="seconds a restarted engine takes to load")
+    p.add_argument("--pause-file", default=None, help="while it exists, no request gets a token past its first")
+    p.add_argument("--restart-gate", default=None, help="while it exists, a restarted engine does not finish loading")
     a = p.parse_args(sys.argv[1:] if argv is None else argv)
     config = ServerConfig(port=a.port, api_key=a.api_key, drain_timeout=a.drain_timeout,
                           max_queued_requests=a.max_queued_requests, max_body_bytes=a.max_body_bytes,
@@ -167,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     markers = tempfile.mkdtemp(prefix="meshserve-fake-")
     factories = [functools.partial(FakeEngine, step_delay=a.step_delay, max_num_seqs=a.max_num_seqs,
                                    max_model_len=a.max_model_len, restart_delay=a.restart_delay,
-                                   started_marker=os.path.join(markers, str(rank)))
+                                   started_marker=os.path.join(markers, str(rank)), pause_file=a.pause_file,
+                                   restart_gate=a.restart_gate)
                  for rank in range(a.data_parallel_size)]
     return run_server({"model": "fake-echo"}, config, factories=factories)

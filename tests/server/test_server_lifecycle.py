@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import psutil
@@ -11,11 +12,36 @@ from server_helpers import fake_server
 from server_sse import completion_text, metric, next_event, read_events
 
 
+class Hold:
+    """A file the fake engine watches (its --pause-file or --restart-gate): while it exists, running
+    requests get no token past their first, or a restarted engine does not finish loading. A check
+    that must happen while a request runs, or while an engine restarts, then does not race a stream of
+    a few dozen 20 ms tokens or a restart of a few seconds, which a busy machine may lose."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def hold(self) -> Hold:
+        self.path.touch()
+        return self
+
+    def __enter__(self) -> Hold:
+        return self.hold()
+
+    def release(self) -> None:
+        self.path.unlink(missing_ok=True)
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
 @pytest.fixture(scope="module")
-def one_seat_server():
+def one_seat_server(tmp_path_factory):
     # one running sequence, one waiting request at most, 20 ms a token
+    pause = tmp_path_factory.mktemp("one-seat") / "pause"
     s = fake_server("--max-num-seqs", "1", "--max-queued-requests", "1", "--step-delay", "0.02",
-                    "--drain-timeout", "20")
+                    "--drain-timeout", "20", "--pause-file", str(pause))
+    s.hold = Hold(pause)
     yield s
     s.stop()
 
@@ -23,10 +49,10 @@ def one_seat_server():
 def test_full_waiting_queue_gets_429_with_retry_after(one_seat_server):
     url = one_seat_server.url + "/v1/completions"
     waiting: dict = {}
-    with httpx.Client(timeout=30) as client, \
+    with one_seat_server.hold as hold, httpx.Client(timeout=30) as client, \
             client.stream("POST", url, json={"prompt": "running", "max_tokens": 40, "stream": True}) as running:
         lines = running.iter_lines()
-        first = next_event(lines)  # it holds the only seat
+        first = next_event(lines)  # it holds the only seat, and keeps it until released
         t = threading.Thread(target=lambda: waiting.update(
             r=httpx.post(url, json={"prompt": "waiting", "max_tokens": 3}, timeout=30)))
         t.start()
@@ -37,6 +63,7 @@ def test_full_waiting_queue_gets_429_with_retry_after(one_seat_server):
         r = httpx.post(url, json={"prompt": "refused", "max_tokens": 3})
         assert r.status_code == 429
         assert r.headers["retry-after"] == "1" and r.json()["error"]["code"] == "queue_full"
+        hold.release()
         assert completion_text([first, *read_events(lines)]) == ("running" * 6)[:40]
     t.join()
     assert waiting["r"].status_code == 200 and waiting["r"].json()["choices"][0]["text"] == "wai"
@@ -53,16 +80,16 @@ def test_the_queue_counts_sequences_and_no_request_passes_it_alone(one_seat_serv
 
 def test_sigterm_drains_running_requests_then_exits_0(one_seat_server):
     s = one_seat_server
-    with httpx.Client(timeout=30) as client, \
+    with s.hold as hold, httpx.Client(timeout=30) as client, \
             client.stream("POST", s.url + "/v1/completions",
                           json={"prompt": "drain me", "max_tokens": 60, "stream": True}) as r:
         lines = r.iter_lines()
-        first = next_event(lines)
+        first = next_event(lines)  # held after it: the stream cannot end before it is released
         s.terminate()
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:  # new connections are refused while it drains
             try:
-                httpx.get(s.url + "/health", timeout=1)
+                httpx.get(s.url + "/health", timeout=5)
             except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError):
                 # Refused, or (racing the listener's close) accepted and dropped unanswered or reset.
                 break
@@ -70,6 +97,7 @@ def test_sigterm_drains_running_requests_then_exits_0(one_seat_server):
         else:
             pytest.fail("the server kept accepting connections after SIGTERM")
         assert s.proc.poll() is None  # still finishing the running stream
+        hold.release()
         assert completion_text([first, *read_events(lines)]) == ("drain me" * 8)[:60]
     assert s.proc.wait(30) == 0
 
@@ -81,10 +109,11 @@ def _wait_for(predicate, timeout: float, what: str) -> None:
         time.sleep(0.05)
 
 
-def test_engine_crash_mid_stream_ends_in_band_then_the_engine_is_restarted():
-    s = fake_server("--step-delay", "0.01", "--restart-delay", "2")
+def test_engine_crash_mid_stream_ends_in_band_then_the_engine_is_restarted(tmp_path):
+    gate = Hold(tmp_path / "restart-gate")
+    s = fake_server("--step-delay", "0.01", "--restart-gate", str(gate.path))
     try:
-        started = time.monotonic()
+        gate.hold()
         with httpx.stream("POST", s.url + "/v1/completions",
                           json={"prompt": "CRASH now", "max_tokens": 20, "stream": True},
                           headers={"X-Request-Id": "doomed-1"}, timeout=30) as r:
@@ -93,14 +122,17 @@ def test_engine_crash_mid_stream_ends_in_band_then_the_engine_is_restarted():
         assert completion_text(events[:-1]) == "CR"
         assert events[-1]["error"]["code"] == "partial_stream_failure"
         assert events[-1]["error"]["request_id"] == "doomed-1"
-        # While the engine restarts (it takes 2 s to load): 503 with a body that says so, at once.
+        # While the engine restarts (it cannot finish loading until the gate opens): 503 with a body
+        # that says so, at once.
         health = httpx.get(s.url + "/health")
         assert health.status_code == 503 and health.json()["status"] == "degraded"
         r = httpx.post(s.url + "/v1/completions", json={"prompt": "meanwhile", "max_tokens": 2})
         assert r.status_code == 503 and r.json()["error"]["code"] == "engine_unavailable"
         assert "retry-after" in r.headers
+        gate.release()
+        released = time.monotonic()
         _wait_for(lambda: httpx.get(s.url + "/health").status_code == 200, 30, "the engine came back")
-        recovery = time.monotonic() - started
+        recovery = time.monotonic() - released
         assert httpx.get(s.url + "/health").json() == {"status": "ok", "replicas": 1, "replicas_alive": 1,
                                                        "restarts": 1}
         r = httpx.post(s.url + "/v1/completions", json={"prompt": "after", "max_tokens": 5})
@@ -108,8 +140,11 @@ def test_engine_crash_mid_stream_ends_in_band_then_the_engine_is_restarted():
         text = httpx.get(s.url + "/metrics").text
         assert metric(text, "meshserve:engine_restarts_total") == 1
         assert 'meshserve:request_success_total{finished_reason="error"} 1.0' in text
+        # Once it can load, it serves at once: no long backoff after a first crash (that is 0.5 s;
+        # the new process was started while the gate was closed). 20 s leaves a loaded machine 40x.
         assert recovery < 20
     finally:
+        gate.release()
         s.stop()
 
 
@@ -157,9 +192,11 @@ def test_an_engine_whose_server_was_killed_exits_by_itself():
         s.stop()
 
 
-def test_data_parallel_degrades_while_a_replica_restarts_and_it_rejoins():
-    s = fake_server("--data-parallel-size", "2", "--step-delay", "0.01", "--restart-delay", "3")
+def test_data_parallel_degrades_while_a_replica_restarts_and_it_rejoins(tmp_path):
+    gate = Hold(tmp_path / "restart-gate")
+    s = fake_server("--data-parallel-size", "2", "--step-delay", "0.01", "--restart-gate", str(gate.path))
     try:
+        gate.hold()  # the crashed replica stays down until released
         with httpx.stream("POST", s.url + "/v1/completions", timeout=30,
                           json={"prompt": "CRASH", "max_tokens": 9, "stream": True}) as r:
             assert read_events(r)[-1]["error"]["code"] == "partial_stream_failure"
@@ -171,17 +208,22 @@ def test_data_parallel_degrades_while_a_replica_restarts_and_it_rejoins():
         for i in range(6):
             r = httpx.post(s.url + "/v1/completions", json={"prompt": f"req{i}", "max_tokens": 4}, timeout=30)
             assert r.status_code == 200 and r.json()["choices"][0]["text"] == f"req{i}"
+        gate.release()
         _wait_for(lambda: httpx.get(s.url + "/health").json()["status"] == "ok", 30, "the replica rejoined")
         assert metric(httpx.get(s.url + "/metrics").text, "meshserve:engine_replicas_alive") == 2
     finally:
+        gate.release()
         s.stop()
 
 
-def test_data_parallel_engines_share_the_load():
-    # Two engines of one seat each: two long requests run side by side, none waits.
-    s = fake_server("--data-parallel-size", "2", "--max-num-seqs", "1", "--step-delay", "0.02")
+def test_data_parallel_engines_share_the_load(tmp_path):
+    # Two engines of one seat each: two long requests run side by side, none waits. Both are held
+    # after their first token while the server's figures are read, so neither can finish first.
+    pause = Hold(tmp_path / "pause")
+    s = fake_server("--data-parallel-size", "2", "--max-num-seqs", "1", "--step-delay", "0.02",
+                    "--pause-file", str(pause.path))
     try:
-        with httpx.Client(base_url=s.url, timeout=30) as client:
+        with pause, httpx.Client(base_url=s.url, timeout=30) as client:
             streams = [client.stream("POST", "/v1/completions",
                                      json={"prompt": p, "max_tokens": 30, "stream": True}) for p in ("ab", "cd")]
             lines = [r.__enter__().iter_lines() for r in streams]
@@ -189,6 +231,7 @@ def test_data_parallel_engines_share_the_load():
             text = client.get("/metrics").text
             assert metric(text, "meshserve:num_requests_running") == 2
             assert metric(text, "meshserve:num_requests_waiting") == 0
+            pause.release()
             answers = [completion_text([first, *read_events(it)]) for first, it in zip(firsts, lines)]
             for r in streams:
                 r.__exit__(None, None, None)

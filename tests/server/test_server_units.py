@@ -12,11 +12,11 @@ from server_fake_engine import FakeEngine
 
 from meshserve.api.errors import from_value_error
 from meshserve.api.sse import DONE, sse_event
+from meshserve.engine.client import EngineDeadError
+from meshserve.engine.core_proc import EngineLoop
 from meshserve.engine.messages import AddRequest, Shutdown, StepOutput
 from meshserve.engine.output import EngineRequest
 from meshserve.sampling_params import SamplingParams
-from meshserve.engine.client import EngineDeadError
-from meshserve.engine.core_proc import EngineLoop
 from meshserve.server.server_config import ServerConfig
 from meshserve.server.serving import sse_stream
 
@@ -68,13 +68,21 @@ def test_deltas_hold_back_a_possible_stop_string():
 
 
 class _CountingEngine(FakeEngine):
+    """Counts the loop's checks for work, and tells when the loop goes idle: it asks for the health
+    watch as it starts to block waiting for work, after its last check."""
+
     def __init__(self):
         super().__init__(step_delay=0.001)
         self.calls = 0
+        self.idle = threading.Event()
 
     def has_unfinished_requests(self) -> bool:
         self.calls += 1
         return super().has_unfinished_requests()
+
+    def health_watch(self):
+        self.idle.set()
+        return super().health_watch()
 
 
 def test_engine_loop_blocks_when_idle_and_steps_while_busy():
@@ -83,6 +91,8 @@ def test_engine_loop_blocks_when_idle_and_steps_while_busy():
     engine = _CountingEngine()
     loop = threading.Thread(target=EngineLoop(engine, in_r, out_w).run, daemon=True)
     loop.start()
+    assert engine.idle.wait(10), "the engine loop never waited for work"
+    engine.idle.clear()
     in_w.send([AddRequest("a", [104, 105], SamplingParams(max_tokens=5), time.monotonic())])
     texts = ""
     while True:
@@ -92,7 +102,9 @@ def test_engine_loop_blocks_when_idle_and_steps_while_busy():
             if any(d.finished for d in event.deltas):
                 break
     assert texts == "hihih"
-    time.sleep(0.1)
+    # After its last step the loop checks once more and blocks. Wait until it has (a busy machine may
+    # run the thread late, and a fixed pause could end before that check), then count over a window.
+    assert engine.idle.wait(10), "the engine loop did not go back to waiting for work"
     calls = engine.calls
     time.sleep(0.3)
     assert engine.calls == calls, "the idle engine loop is spinning"
