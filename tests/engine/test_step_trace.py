@@ -49,7 +49,8 @@ def test_a_cpu_server_caps_the_prompt_tokens_joining_running_decodes_at_256(tmp_
         trace = tmp_path / "steps.jsonl"
         trace.unlink(missing_ok=True)
         engine = LLMEngine(replace(config, step_trace=str(trace)))
-        engine.add_request("running", list(range(10, 20)), SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+        running = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+        engine.add_request("running", list(range(10, 20)), running)
         engine.step()
         long = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
         engine.add_request("long", list(range(100, 700)), long)
