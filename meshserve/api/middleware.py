@@ -2,6 +2,7 @@
 routes, and the one way an APIError becomes a response."""
 from __future__ import annotations
 
+import hashlib
 import hmac
 import logging
 import uuid
@@ -28,8 +29,9 @@ logger = logging.getLogger(__name__)
 SERVER_KEEP_ALIVE_S = 75
 UPSTREAM_KEEP_ALIVE_S = 4
 
-# Reachable without the API key: liveness probes and Prometheus scrapers.
-OPEN_PATHS = frozenset({"/health", "/metrics"})
+# Reachable without the API key: liveness probes. /metrics takes the API key or the metrics key.
+OPEN_PATHS = frozenset({"/health"})
+METRICS_PATH = "/metrics"
 _MAX_REQUEST_ID = 128
 # nginx's non-standard "client closed request": only logs ever see it.
 CLIENT_CLOSED = 499
@@ -45,9 +47,10 @@ class RequestContextMiddleware:
     before a route runs."""
 
     def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int,
-                 load_report: Callable[[], str] | None = None) -> None:
+                 load_report: Callable[[], str] | None = None, metrics_api_key: str | None = None) -> None:
         self.app = app
         self.expected_auth = f"Bearer {api_key}".encode() if api_key else None
+        self.metrics_auth = f"Bearer {metrics_api_key}".encode() if metrics_api_key else None
         self.max_body_bytes = max_body_bytes
         self.load_report = load_report
 
@@ -59,7 +62,9 @@ class RequestContextMiddleware:
         request_id = headers.get("x-request-id", "")
         if not request_id or len(request_id) > _MAX_REQUEST_ID or not request_id.isprintable():
             request_id = uuid.uuid4().hex
-        scope.setdefault("state", {})["request_id"] = request_id
+        state = scope.setdefault("state", {})
+        state["request_id"] = request_id
+        state["key_owner"] = key_owner(headers.get("authorization", ""))
         started = False
 
         async def send_with_id(message: Message) -> None:
@@ -86,9 +91,12 @@ class RequestContextMiddleware:
             await error_response(err)(scope, receive, send_with_id)
 
     def _precheck(self, scope: Scope, headers: Headers) -> APIError | None:
-        if self.expected_auth is not None and scope["path"] not in OPEN_PATHS:
+        path = scope["path"]
+        accepted = [self.expected_auth, self.metrics_auth if path == METRICS_PATH else None]
+        keys = [k for k in accepted if k is not None]
+        if keys and path not in OPEN_PATHS:
             given = headers.get("authorization", "").encode("latin-1")
-            if not hmac.compare_digest(given, self.expected_auth):
+            if not any(hmac.compare_digest(given, k) for k in keys):
                 return APIError(401, "missing or invalid API key (send 'Authorization: Bearer KEY')",
                                 code="invalid_api_key")
         length = headers.get("content-length")
@@ -99,6 +107,13 @@ class RequestContextMiddleware:
                 return APIError(413, f"request body is larger than {self.max_body_bytes} bytes",
                                 code="request_too_large")
         return None
+
+
+def key_owner(authorization: str) -> str:
+    """Who a request is, for what it owns (leases): a digest of the key it presents, "" without one.
+    The key itself is never kept."""
+    key = authorization.removeprefix("Bearer ").strip()
+    return hashlib.sha256(key.encode("utf-8", "replace")).hexdigest()[:32] if key else ""
 
 
 def install_error_handlers(app: Starlette) -> None:

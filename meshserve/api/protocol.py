@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from meshserve.sampling_params import MAX_LOGPROBS
 
+MAX_CACHE_SALT_CHARS = 256
 # torch generators take 64-bit seeds.
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 
@@ -29,6 +30,8 @@ class SamplingFields(StrictModel):
     and SamplingParams' default applies."""
     model: str | None = None
     n: int = 1
+    # vLLM's field: the request's prefix-cache hits are only on blocks cached under the same salt.
+    cache_salt: str | None = Field(default=None, max_length=MAX_CACHE_SALT_CHARS)
     max_tokens: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -118,6 +121,7 @@ class ReservationRequest(StrictModel):
     ttl_s: float = Field(default=30.0, gt=0, le=3600)  # an unused lease ends after this long
     request_id: str = Field(default="", max_length=128)
     attempt_id: str = Field(default="", max_length=64)
+    cache_salt: str | None = Field(default=None, max_length=MAX_CACHE_SALT_CHARS)
 
 
 class DetokenizeRequest(StrictModel):

@@ -1,7 +1,8 @@
 """Paged KV blocks with reference counts and prefix caching.
 
-A full block is identified by a hash chain: hash(parent block's hash, its token ids, extra key),
-where the extra key carries the model revision so cache entries never cross weights. A hit is
+A full block is identified by a hash chain: hash(parent block's hash, its token ids), whose root
+carries the model revision, so cache entries never cross weights, and the request's cache salt, so
+entries of one salt (one tenant) are never a hit for another. A hit is
 confirmed by comparing the block's own token ids and its parent: every cache entry remembers the
 entry it extends (by a registration id that is never reused), so a hit is exact for the whole prefix
 even if two different prefixes ever hashed alike.
@@ -25,6 +26,7 @@ rank of a replica (the KV budget is the smallest rank's), so a grant is atomic f
 """
 from __future__ import annotations
 
+import functools
 import itertools
 from collections import OrderedDict
 from collections.abc import Sequence as Tokens
@@ -48,17 +50,23 @@ class Block:
 
 
 class ReservationError(ValueError):
-    """A request names a lease that cannot cover it (ended, expired, in use, too small)."""
+    """A request names a lease that cannot cover it (ended, expired, in use, too small, not its own)."""
+
+
+class LeaseLimitError(ValueError):
+    """The owner holds as many leases as it may."""
 
 
 class Lease:
     """Blocks promised to one request (or one attempt of it) until it ends or the lease expires."""
     __slots__ = ("lease_id", "request_id", "attempt_id", "blocks", "expires_at", "pinned", "taken", "bound_to",
-                 "seqs")
+                 "seqs", "owner", "cache_salt")
 
     def __init__(self, lease_id: str, request_id: str, attempt_id: str, blocks: int, expires_at: float,
-                 pinned: list[Block]) -> None:
+                 pinned: list[Block], owner: str = "", cache_salt: str = "") -> None:
         self.lease_id = lease_id
+        self.owner = owner  # only requests and calls of the same owner may use, see or end it
+        self.cache_salt = cache_salt  # its pinned prefix is this salt's
         self.request_id = request_id  # the client's request (for the ledger and traces)
         self.attempt_id = attempt_id
         self.blocks = blocks  # blocks promised beyond the pinned prefix
@@ -81,7 +89,7 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.root_hash = root_hash(extra_hash_key)
+        self._extra_hash_key = extra_hash_key
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_queue: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks)
         self.cached: dict[int, Block] = {}
@@ -105,8 +113,17 @@ class BlockManager:
         return 1.0 - len(self.free_queue) / self.num_blocks
 
     # ---- prefix cache ------------------------------------------------------------------
+    @functools.lru_cache(maxsize=4096)  # noqa: B019 (one block manager per engine, salts are few)
+    def roots(self, cache_salt: str) -> tuple[int, int]:
+        """(the hash a salt's first block chains from, the parent id its cache entry records). The
+        unsalted parent id is _ROOT; a salted chain's is its root hash, so that even a hash collision
+        cannot make a block of one salt a hit for another."""
+        root = root_hash(self._extra_hash_key + ("\0salt\0" + cache_salt if cache_salt else ""))
+        return root, (root if cache_salt else _ROOT)
+
     def _block_hashes(self, seq: Sequence, num_full_blocks: int) -> list[int]:
-        return extend_chain(seq.block_hashes, seq.token_ids, self.block_size, self.root_hash, num_full_blocks)
+        return extend_chain(seq.block_hashes, seq.token_ids, self.block_size, self.roots(seq.cache_salt)[0],
+                            num_full_blocks)
 
     def _block_tokens(self, seq: Sequence, i: int) -> tuple[int, ...]:
         return tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
@@ -117,14 +134,15 @@ class BlockManager:
         num_full = (seq.num_tokens - 1) // self.block_size
         if not self.enable_prefix_caching:
             return []
-        return self._cached_run(seq.token_ids, self._block_hashes(seq, num_full)[:num_full])
+        return self._cached_run(seq.token_ids, self._block_hashes(seq, num_full)[:num_full],
+                                self.roots(seq.cache_salt)[1])
 
-    def _cached_run(self, token_ids: Tokens[int], hashes: list[int]) -> list[Block]:
+    def _cached_run(self, token_ids: Tokens[int], hashes: list[int], root_parent: int) -> list[Block]:
         hits: list[Block] = []
         bs = self.block_size
         for i, h in enumerate(hashes):
             block = self.cached.get(h)
-            parent = hits[-1].cache_id if hits else _ROOT
+            parent = hits[-1].cache_id if hits else root_parent
             if block is None or block.parent_cache_id != parent \
                     or block.token_ids != tuple(token_ids[i * bs:(i + 1) * bs]):
                 break
@@ -177,8 +195,9 @@ class BlockManager:
         if not self.enable_prefix_caching or len(chain) >= num_full:
             return
         hashes = self._block_hashes(seq, num_full)
+        root_parent = self.roots(seq.cache_salt)[1]
         for i in range(len(chain), num_full):
-            parent = chain[-1] if chain else _ROOT
+            parent = chain[-1] if chain else root_parent
             block, tokens = self.blocks[seq.block_table[i]], self._block_tokens(seq, i)
             entry = self.cached.get(hashes[i])
             if entry is not None and entry.parent_cache_id == parent and entry.token_ids == tokens:
@@ -217,11 +236,16 @@ class BlockManager:
 
     # ---- reservations --------------------------------------------------------------------
     def reserve(self, lease_id: str, token_ids: Tokens[int], max_new_tokens: int, num_seqs: int,
-                expires_at: float, request_id: str = "", attempt_id: str = "") -> Lease | None:
+                expires_at: float, request_id: str = "", attempt_id: str = "", owner: str = "",
+                cache_salt: str = "", max_owner_leases: int | None = None) -> Lease | None:
         """Promise the blocks a request of `token_ids` plus `max_new_tokens` (times `num_seqs`
-        samples) needs beyond what is cached for its prefix now; None (changing nothing) when the
-        blocks not held back for other leases do not cover it."""
-        prefix = self._prefix_for(token_ids)
+        samples) needs beyond what is cached for its prefix (under its salt) now; None (changing
+        nothing) when the blocks not held back for other leases do not cover it. LeaseLimitError
+        when `owner` holds `max_owner_leases` already."""
+        if max_owner_leases is not None and sum(lease.owner == owner for lease in self.leases.values()) \
+                >= max_owner_leases:
+            raise LeaseLimitError(f"this key holds {max_owner_leases} reservations, as many as it may at once")
+        prefix = self._prefix_for(token_ids, cache_salt)
         per_seq = -(-(len(token_ids) + max_new_tokens) // self.block_size) - len(prefix)
         blocks = num_seqs * per_seq
         pins_from_free = sum(1 for b in prefix if b.ref_count == 0)
@@ -231,17 +255,18 @@ class BlockManager:
             if b.ref_count == 0:
                 del self.free_queue[b.block_id]
             b.ref_count += 1
-        lease = Lease(lease_id, request_id, attempt_id, blocks, expires_at, prefix)
+        lease = Lease(lease_id, request_id, attempt_id, blocks, expires_at, prefix, owner, cache_salt)
         self.leases[lease_id] = lease
         self.held_back += blocks
         self.peak_reserved = max(self.peak_reserved, self.reserved_blocks)
         return lease
 
-    def _prefix_for(self, token_ids: Tokens[int]) -> list[Block]:
+    def _prefix_for(self, token_ids: Tokens[int], cache_salt: str) -> list[Block]:
         if not self.enable_prefix_caching:
             return []
         num_full = (len(token_ids) - 1) // self.block_size  # as find_cached_prefix leaves one to compute
-        return self._cached_run(token_ids, extend_chain([], token_ids, self.block_size, self.root_hash, num_full))
+        root, root_parent = self.roots(cache_salt)
+        return self._cached_run(token_ids, extend_chain([], token_ids, self.block_size, root, num_full), root_parent)
 
     @property
     def reserved_blocks(self) -> int:
@@ -252,18 +277,19 @@ class BlockManager:
         held.update(i for lease in self.leases.values() for s in lease.seqs for i in s.block_table)
         return len(held) + self.held_back
 
-    def bind(self, lease_id: str, request_id: str, seqs: list[Sequence], max_new_tokens: int) -> Lease:
-        """Let `seqs` (one request) draw on the lease. ValueError when the lease is unknown (ended or
-        expired), already used, or too small for the request."""
+    def bind(self, lease_id: str, request_id: str, seqs: list[Sequence], max_new_tokens: int,
+             owner: str = "") -> Lease:
+        """Let `seqs` (one request) draw on the lease. ReservationError when the lease is unknown
+        (ended, expired, or another owner's), already used, or too small for the request."""
         lease = self.leases.get(lease_id)
-        if lease is None:
+        if lease is None or lease.owner != owner:
             raise ReservationError(f"reservation {lease_id!r} does not exist (it ended or expired)")
         if lease.bound_to is not None:
             raise ReservationError(f"reservation {lease_id!r} is already used by another request")
         tokens = seqs[0].token_ids
         bs = self.block_size
-        pinned_match = all(b.token_ids == tuple(tokens[i * bs:(i + 1) * bs]) for i, b in enumerate(lease.pinned)) \
-            and len(lease.pinned) * bs < len(tokens)
+        pinned_match = lease.cache_salt == seqs[0].cache_salt and len(lease.pinned) * bs < len(tokens) \
+            and all(b.token_ids == tuple(tokens[i * bs:(i + 1) * bs]) for i, b in enumerate(lease.pinned))
         need = len(seqs) * (-(-(len(tokens) + max_new_tokens) // bs) - (len(lease.pinned) if pinned_match else 0))
         if need > lease.blocks:
             raise ReservationError(f"reservation {lease_id!r} holds {lease.blocks} blocks; this request needs {need}")

@@ -17,6 +17,14 @@ from typing import Any, Protocol
 
 from meshserve.distributed.expert_load import merge_snapshots
 from meshserve.distributed.placement import ReplicaPlacement, available_cores, place
+from meshserve.engine.calls import EngineCalls, lease_engine
+from meshserve.engine.errors import (
+    STREAM_BACKLOG,
+    EngineCallError,
+    EngineDeadError,
+    EngineRejectedError,
+    EngineRequestFailed,
+)
 from meshserve.engine.messages import (
     AbortRequests,
     AddRequest,
@@ -26,13 +34,11 @@ from meshserve.engine.messages import (
     EngineCall,
     EngineEvent,
     EngineStats,
-    LeaseInfo,
-    LeaseLedger,
+    ErrorCode,
     ModelInfo,
     RejectKind,
     RequestDelta,
     RequestRejected,
-    ReserveRequest,
     StatsUpdate,
     StepOutput,
 )
@@ -40,28 +46,6 @@ from meshserve.engine.protocol import EngineProtocol, TokenizerProtocol
 from meshserve.engine.supervisor import EngineSupervisor, SupervisorCallbacks, SupervisorPolicy
 from meshserve.routing.policies import LeastLoad, ReplicaLoad, RouteRequest, RoutingPolicy
 from meshserve.sampling_params import SamplingParams
-
-
-class EngineDeadError(RuntimeError):
-    """The engine serving this request stopped (or none is running)."""
-
-
-class EngineRejectedError(ValueError):
-    """The engine refused one request (its message names the parameter)."""
-
-
-class EngineRequestFailed(RuntimeError):
-    """The engine failed this request (a step it was in raised); the engine serves on."""
-
-
-class EngineCallError(ValueError):
-    """The engine refused a call (its message says why: an unknown lease, a lease that cannot
-    cover the request). `unsupported`: the engine has no reservations at all."""
-
-    def __init__(self, message: str, unsupported: bool = False) -> None:
-        super().__init__(message)
-        self.unsupported = unsupported
-
 
 # What reaches a request's generate() loop: a delta with the time of its step, or why it ended.
 Delivery = tuple[RequestDelta, float] | Exception
@@ -73,6 +57,7 @@ class PendingRequest:
     sink: asyncio.Queue[Delivery]
     engine: int
     arrival_time: float
+    max_unread: int  # deliveries its sink may hold unread before the request is aborted
     num_seqs: int = 1
     first_token_time: float | None = None
     last_token_time: float | None = None
@@ -112,9 +97,10 @@ class FleetStats:
 class EngineClient:
     def __init__(self, factories: Sequence[Callable[[], EngineProtocol]], listener: ClientListener | None = None,
                  log_level: str = "info", placements: Sequence[ReplicaPlacement] | None = None,
-                 policy: SupervisorPolicy | None = None) -> None:
+                 policy: SupervisorPolicy | None = None, max_stream_backlog: int = 1024) -> None:
         """`factories`: one picklable callable per engine, building it inside the engine process.
-        `placements`: each engine's devices (default: single-rank replicas sharing the CPU cores)."""
+        `placements`: each engine's devices (default: single-rank replicas sharing the CPU cores).
+        `max_stream_backlog`: steps of output a request may leave unread before it is aborted."""
         placements = list(placements or place(len(factories), 1, available_cores()))
         self.supervisor = EngineSupervisor(factories, placements, SupervisorCallbacks(
             self._on_event, self._on_engine_death, self._on_restarted, lambda reason: self.on_give_up(reason)),
@@ -129,6 +115,8 @@ class EngineClient:
         self.info: EngineInfo | None = None
         self.num_queued_seqs = 0  # sequences submitted with no output yet: the front end's waiting queue
         self.on_give_up: Callable[[str], None] = lambda reason: None
+        self.max_stream_backlog = max_stream_backlog
+        self.calls = EngineCalls(self)
 
     # ---- lifecycle ----------------------------------------------------------------------------
     def start(self, timeout: float | None = None) -> EngineInfo:
@@ -154,12 +142,14 @@ class EngineClient:
         """At least one engine takes work."""
         return bool(self.supervisor.alive_ranks())
 
-    def health(self) -> dict[str, Any]:
+    def health(self, responsive: dict[int, bool]) -> dict[str, Any]:
+        """The /health body, given which live engines answered a ping (calls.responsive)."""
         sup = self.supervisor
-        alive = len(sup.alive_ranks())
+        answering = sum(responsive.values())
         status = ("stopping" if sup.closing else "failed" if sup.gave_up
-                  else "ok" if alive == sup.size else "degraded")
-        return {"status": status, "replicas": sup.size, "replicas_alive": alive, "restarts": sup.restarts}
+                  else "ok" if answering == sup.size else "degraded")
+        return {"status": status, "replicas": sup.size, "replicas_alive": len(sup.alive_ranks()),
+                "replicas_answering": answering, "restarts": sup.restarts}
 
     # ---- events from the supervisor (on the event loop) ---------------------------------------
     def _on_event(self, rank: int, event: EngineEvent) -> None:
@@ -186,7 +176,8 @@ class EngineClient:
             return
         if reply.error is not None:
             future.set_exception(EngineCallError(reply.error.message,
-                                                 unsupported=reply.error.kind is CallErrorKind.UNSUPPORTED))
+                                                 unsupported=reply.error.kind is CallErrorKind.UNSUPPORTED,
+                                                 limit=reply.error.kind is CallErrorKind.LIMIT))
         else:
             future.set_result(reply.result)
 
@@ -227,8 +218,15 @@ class EngineClient:
             if self.listener is not None:
                 self.listener.on_finished(state, delta, now)
             if delta.error is not None:
-                state.sink.put_nowait(EngineRequestFailed(delta.error))
+                code = delta.error_code.value if delta.error_code is not None else ErrorCode.STEP_FAILED.value
+                state.sink.put_nowait(EngineRequestFailed(delta.error, code))
                 return
+        elif state.sink.qsize() >= state.max_unread:  # its client reads slower than it generates, or not at all
+            self.abort([delta.request_id])
+            state.sink.put_nowait(EngineRequestFailed(
+                f"the client left {state.max_unread} steps of output unread; the request was stopped "
+                "(--max-stream-backlog)", STREAM_BACKLOG))
+            return
         state.sink.put_nowait((delta, now))
 
     def _finish(self, request_id: str) -> PendingRequest | None:
@@ -242,7 +240,7 @@ class EngineClient:
     # ---- requests -----------------------------------------------------------------------------
     def _pick_engine(self, prompt_ids: list[int], lease_id: str | None = None) -> int:
         if lease_id is not None:  # the engine that granted the lease
-            rank = self._lease_engine(lease_id)
+            rank = lease_engine(lease_id, self.supervisor.size)[0]
             if not self.supervisor.is_alive(rank):
                 raise EngineDeadError(f"engine {rank}, which holds this reservation, is not running")
             return rank
@@ -266,10 +264,12 @@ class EngineClient:
             self.listener.on_aborted(sum(len(v) for v in by_engine.values()))
 
     async def generate(self, requests: Sequence[tuple[str, list[int], SamplingParams]],
-                       arrival_time: float | None = None,
-                       lease_id: str | None = None) -> AsyncGenerator[RequestDelta, None]:
+                       arrival_time: float | None = None, lease_id: str | None = None, owner: str = "",
+                       cache_salt: str = "") -> AsyncGenerator[RequestDelta, None]:
         """Submit engine requests together and yield their deltas as they come, interleaved.
-        `lease_id`: a reservation from reserve(); it covers one engine request.
+        `lease_id`: a reservation from reserve() by `owner`; it covers one engine request.
+        `cache_salt`: their prefix-cache scope. A request whose output piles up unread beyond
+        `max_stream_backlog` steps is aborted (EngineRequestFailed, STREAM_BACKLOG).
 
         Leaving early (client gone, consumer cancelled or closed) aborts what has not finished."""
         arrival = time.monotonic() if arrival_time is None else arrival_time
@@ -282,11 +282,12 @@ class EngineClient:
         try:
             for request_id, prompt_ids, params in requests:
                 rank = self._pick_engine(prompt_ids, lease_id)
-                self._requests[request_id] = PendingRequest(sink, rank, arrival, params.n)
+                self._requests[request_id] = PendingRequest(sink, rank, arrival, self.max_stream_backlog, params.n)
                 self._outstanding[rank] += 1
                 self.num_queued_seqs += params.n
                 pending.add(request_id)
-                self.supervisor.send(rank, AddRequest(request_id, prompt_ids, params, arrival, engine_lease))
+                self.supervisor.send(rank, AddRequest(request_id, prompt_ids, params, arrival, engine_lease, owner,
+                                                      cache_salt))
             while pending:
                 item = await sink.get()
                 if isinstance(item, Exception):
@@ -317,47 +318,10 @@ class EngineClient:
         finally:
             self._calls.pop(reply_id, None)
 
-    async def reserve(self, req: ReserveRequest) -> LeaseInfo | None:
-        """A lease from the first engine that grants it, those with the most unpromised free blocks
-        asked first; None when none can. Its lease id names the engine ("<rank>.<id>")."""
-        live = sorted(self.supervisor.alive_ranks(), key=lambda rank: -self._unpromised(rank))
-        if not live:
-            raise EngineDeadError("no engine is running")
-        for rank in live:
-            try:
-                lease: LeaseInfo | None = await self.call(rank, CallMethod.RESERVE, req)
-            except EngineDeadError:
-                continue
-            if lease is not None:
-                lease.lease_id = f"{rank}.{lease.lease_id}"
-                return lease
-        return None
-
-    def _unpromised(self, rank: int) -> int:
+    def unpromised_blocks(self, rank: int) -> int:
+        """Free blocks of engine `rank` that no lease has a claim on, as of its last stats."""
         stats = self._stats[rank]
         return stats.unpromised_free_blocks if stats is not None else 0
-
-    async def release(self, lease_id: str) -> bool:
-        return bool(await self.call(self._lease_engine(lease_id), CallMethod.RELEASE, lease_id.split(".", 1)[1]))
-
-    async def leases(self) -> list[tuple[int, LeaseLedger]]:
-        """Each live engine's ledger, its lease ids named as reserve() returns them."""
-        out = []
-        for rank in self.supervisor.alive_ranks():
-            try:
-                ledger: LeaseLedger = await self.call(rank, CallMethod.LEASES)
-            except EngineDeadError:
-                continue
-            for lease in ledger.leases:
-                lease.lease_id = f"{rank}.{lease.lease_id}"
-            out.append((rank, ledger))
-        return out
-
-    def _lease_engine(self, lease_id: str) -> int:
-        rank, sep, rest = lease_id.partition(".")
-        if not sep or not rank.isdigit() or int(rank) >= self.supervisor.size or not rest:
-            raise EngineCallError(f"reservation {lease_id!r} does not exist")
-        return int(rank)
 
     # ---- stats --------------------------------------------------------------------------------
     def _live_stats(self) -> list[EngineStats]:

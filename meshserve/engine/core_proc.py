@@ -20,7 +20,7 @@ from multiprocessing.connection import Connection, wait
 from typing import TYPE_CHECKING, Any
 
 from meshserve.distributed.placement import ReplicaPlacement, apply_replica_placement
-from meshserve.engine.block_manager import ReservationError
+from meshserve.engine.block_manager import LeaseLimitError, ReservationError
 from meshserve.engine.messages import (
     AbortRequests,
     AddRequest,
@@ -61,7 +61,9 @@ class EngineLoop:
         self._last_ipc_s: float | None = None
         self._calls: dict[CallMethod, Callable[[Any], object]] = {
             CallMethod.RESERVE: engine.reserve, CallMethod.RELEASE: engine.release_lease,
-            CallMethod.LEASES: lambda _: engine.leases()}
+            CallMethod.LEASES: lambda owner: engine.leases(owner or ""),
+            # Answered here, between steps: an answer proves the loop itself is alive.
+            CallMethod.PING: lambda _: True}
 
     def run(self) -> None:
         engine = self.engine
@@ -112,8 +114,8 @@ class EngineLoop:
 
     def _add(self, req: AddRequest) -> None:
         try:
-            self.engine.add_request(req.request_id, req.prompt_token_ids, req.params,
-                                    arrival_time=req.arrival_time, lease_id=req.lease_id)
+            self.engine.add_request(req.request_id, req.prompt_token_ids, req.params, arrival_time=req.arrival_time,
+                                    lease_id=req.lease_id, lease_owner=req.lease_owner, cache_salt=req.cache_salt)
         except ReservationError as exc:
             self.outbox.send(RequestRejected(req.request_id, str(exc), RejectKind.RESERVATION))
         except ValueError as exc:
@@ -124,6 +126,8 @@ class EngineLoop:
             return CallReply(call.reply_id, self._calls[call.method](call.argument))
         except UnsupportedCall:
             error = CallError(CallErrorKind.UNSUPPORTED, f"this engine does not support {call.method.value!r}")
+        except LeaseLimitError as exc:
+            error = CallError(CallErrorKind.LIMIT, str(exc))
         except ValueError as exc:
             error = CallError(CallErrorKind.INVALID, str(exc))
         return CallReply(call.reply_id, error=error)

@@ -8,13 +8,22 @@ from __future__ import annotations
 import logging
 import sys
 import time
-import uuid
 from typing import TYPE_CHECKING, Any
 
 from meshserve.config import EngineConfig
-from meshserve.engine.block_manager import BlockManager, Lease
-from meshserve.engine.messages import EngineStats, LeaseInfo, LeaseLedger, ModelInfo, RequestDelta, ReserveRequest
+from meshserve.engine.block_manager import BlockManager
+from meshserve.engine.messages import (
+    EngineStats,
+    ErrorCode,
+    LeaseInfo,
+    LeaseLedger,
+    LeaseRef,
+    ModelInfo,
+    RequestDelta,
+    ReserveRequest,
+)
 from meshserve.engine.output import EngineRequest
+from meshserve.engine.reservations import LeaseDesk
 from meshserve.engine.scheduler import Scheduler, SchedulerOutput
 from meshserve.engine.sequence import Sequence
 from meshserve.engine.step_timeline import StepTimeline
@@ -70,6 +79,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, self.max_num_batched_tokens,
                                    config.enable_chunked_prefill, config.prefill_chunk_with_decodes or None)
         self.requests: dict[str, EngineRequest] = {}
+        self._ended_between_steps: list[RequestDelta] = []
+        self.desk = LeaseDesk(self.block_manager, self.max_model_len, lambda rid: rid in self.requests)
         self.seq_to_request: dict[int, EngineRequest] = {}
         self._finished_seq_ids: list[int] = []
         self.num_prompt_tokens = 0
@@ -94,10 +105,12 @@ class LLMEngine:
 
     # ---- requests ----------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    arrival_time: float | None = None, lease_id: str | None = None) -> list[int]:
+                    arrival_time: float | None = None, lease_id: str | None = None, lease_owner: str = "",
+                    cache_salt: str = "") -> list[int]:
         """Queue a request; returns its prompt token ids. ValueError (naming the problem) for a
         request the engine cannot serve: nothing is queued then. With `lease_id` the request draws
-        on that reservation (and is never preempted); the lease ends when the request does."""
+        on that reservation of `lease_owner`'s (and is never preempted); the lease ends when the
+        request does. `cache_salt`: its prefix-cache scope (hits only on blocks of the same salt)."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
@@ -110,12 +123,12 @@ class LLMEngine:
             raise ValueError(f"prompt is {len(ids)} tokens; it must be shorter than max_model_len "
                              f"({self.max_model_len}) to leave room for at least one generated token")
         arrival = arrival_time if arrival_time is not None else time.monotonic()
-        seqs = [Sequence(request_id, i, ids, params, arrival) for i in range(params.n)]
+        seqs = [Sequence(request_id, i, ids, params, arrival, cache_salt) for i in range(params.n)]
         if lease_id is not None:
-            self.reconcile_leases()
+            self.desk.reconcile()
             max_new = min(params.max_tokens, self.max_model_len - len(ids)) if params.max_tokens is not None \
                 else self.max_model_len - len(ids)
-            self.block_manager.bind(lease_id, request_id, seqs, max_new)
+            self.block_manager.bind(lease_id, request_id, seqs, max_new, lease_owner)
         state = EngineRequest(request_id, ids, params, self.tokenizer, arrival, seqs)
         state.lease_id = lease_id
         state.eos_token_ids = () if params.ignore_eos else self.eos_token_ids
@@ -132,7 +145,14 @@ class LLMEngine:
             self._finish_request(state, "abort")
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
+        return bool(self.requests or self._ended_between_steps)
+
+    def _abort_with_error(self, state: EngineRequest, why: str, code: ErrorCode) -> None:
+        """End a request the engine stops itself; its last delta (with why) goes out with the next step."""
+        state.error, state.error_code = why, code
+        self._finish_request(state, "abort")
+        if (delta := state.take_delta()) is not None:
+            self._ended_between_steps.append(delta)
 
     def _finish_request(self, state: EngineRequest, reason: str) -> None:
         for seq in state.seqs:
@@ -152,11 +172,16 @@ class LLMEngine:
 
     # ---- the loop ----------------------------------------------------------------------
     def step(self) -> list[RequestDelta]:
-        """One model step over what the scheduler picks; returns what each touched request gained.
+        """One model step over what the scheduler picks; returns what each touched request gained,
+        after the last deltas of requests the engine ended between steps (a released lease).
 
         A step that raises (a bug, a kernel error, out of memory) fails only the requests in it, with
         finish_reason "error"; its blocks are freed and none of them stays in the prefix cache. A dead
         rank (WorkerFailure) is not contained: the executor is gone, so the engine is too."""
+        ended, self._ended_between_steps = self._ended_between_steps, []
+        return ended + self._step()
+
+    def _step(self) -> list[RequestDelta]:
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
         if sched.is_empty:
@@ -199,6 +224,7 @@ class LLMEngine:
         deltas = []
         for state in failed.values():
             state.error = f"the engine step failed: {type(exc).__name__}: {exc}"
+            state.error_code = ErrorCode.STEP_FAILED
             self._finish_request(state, "error")
             if (delta := state.take_delta()) is not None:  # always: its finish has not gone out yet
                 deltas.append(delta)
@@ -275,45 +301,21 @@ class LLMEngine:
     # ---- reservations ------------------------------------------------------------------
     def reserve(self, req: ReserveRequest) -> LeaseInfo | None:
         """Grant a lease for `req` against the blocks not held back already, or None."""
-        self.reconcile_leases()
-        if not req.prompt_token_ids or len(req.prompt_token_ids) >= self.max_model_len:
-            raise ValueError(f"prompt_token_ids must hold 1 to {self.max_model_len - 1} tokens")
-        max_new = min(req.max_tokens, self.max_model_len - len(req.prompt_token_ids))
-        lease = self.block_manager.reserve(uuid.uuid4().hex, req.prompt_token_ids, max_new, req.n,
-                                           time.monotonic() + req.ttl_s, req.request_id, req.attempt_id)
-        return None if lease is None else self._lease_info(lease, time.monotonic())
+        return self.desk.reserve(req)
 
-    def release_lease(self, lease_id: str) -> bool:
-        """End a lease that no request is using (a bound lease ends with its request: abort that)."""
-        lease = self.block_manager.leases.get(lease_id)
-        if lease is None:
+    def release_lease(self, ref: LeaseRef) -> bool:
+        """End the owner's lease; a request drawing on it is stopped and told why."""
+        owned, running = self.desk.holder(ref)
+        if not owned:
             return False
-        if lease.bound_to is not None and lease.bound_to in self.requests:
-            self.abort_request(lease.bound_to)
-        self.block_manager.release(lease_id)
+        if running is not None:
+            self._abort_with_error(self.requests[running], f"its KV reservation {ref.lease_id} was released",
+                                   ErrorCode.RESERVATION_RELEASED)
+        self.desk.release(ref.lease_id)
         return True
 
-    def reconcile_leases(self) -> None:
-        """Expired leases: one whose request is still running here keeps its blocks until that request
-        ends; any other (never used, or its request is gone) returns its blocks now."""
-        bm = self.block_manager
-        for lease in bm.expired_leases(time.monotonic()):
-            if lease.bound_to is None or lease.bound_to not in self.requests:
-                logger.info("reservation %s of request %s expired unused; its %d blocks return",
-                            lease.lease_id, lease.request_id, lease.blocks)
-                bm.release(lease.lease_id)
-
-    def leases(self) -> LeaseLedger:
-        """The ledger: every live lease and the totals, for GET /v1/reservations."""
-        self.reconcile_leases()
-        bm, now = self.block_manager, time.monotonic()
-        return LeaseLedger(bm.num_blocks, bm.block_size, bm.num_free_blocks, bm.reserved_blocks, bm.held_back,
-                           bm.peak_reserved, [self._lease_info(lease, now) for lease in bm.leases.values()])
-
-    @staticmethod
-    def _lease_info(lease: Lease, now: float) -> LeaseInfo:
-        return LeaseInfo(lease.lease_id, lease.request_id, lease.attempt_id, lease.blocks, len(lease.pinned),
-                         lease.taken, lease.bound_to is not None, round(lease.expires_at - now, 3))
+    def leases(self, owner: str = "") -> LeaseLedger:
+        return self.desk.ledger(owner)
 
     def get_stats(self) -> EngineStats:
         bm = self.block_manager

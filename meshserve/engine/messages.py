@@ -38,6 +38,22 @@ class ReserveRequest:
     ttl_s: float = 30.0  # an unused lease ends after this long
     request_id: str = ""  # the client's request and attempt, recorded in the ledger
     attempt_id: str = ""
+    cache_salt: str = ""  # the prefix it may find cached is its salt's (see AddRequest)
+    owner: str = ""  # who asks (a digest of the API key): only the owner may use, see or end the lease
+    max_owner_leases: int | None = None  # leases one owner may hold at once (None: no bound)
+
+
+@dataclass(slots=True)
+class LeaseRef:
+    """A lease named by its owner (RELEASE): another owner's lease is as good as unknown."""
+    lease_id: str
+    owner: str = ""
+
+
+class ErrorCode(enum.Enum):
+    """Why the engine ended a request early (RequestDelta.error_code)."""
+    STEP_FAILED = "engine_step_failed"                # a step it was in raised
+    RESERVATION_RELEASED = "reservation_released"   # the lease it drew on was released under it
 
 
 @dataclass(slots=True)
@@ -87,6 +103,7 @@ class RequestDelta:
     outputs: list[SampleDelta]
     finished: bool
     error: str | None = None
+    error_code: ErrorCode | None = None
     metrics: RequestMetrics | None = None
 
 
@@ -147,6 +164,9 @@ class AddRequest:
     params: SamplingParams
     arrival_time: float
     lease_id: str | None = None  # a KV reservation granted by this engine
+    lease_owner: str = ""  # who sends it: the lease must be theirs
+    # Prefix-cache scope: blocks cached under one salt are never a hit for another (per tenant).
+    cache_salt: str = ""
 
 
 @dataclass(slots=True)
@@ -156,8 +176,9 @@ class AbortRequests:
 
 class CallMethod(enum.Enum):
     RESERVE = "reserve"   # argument: ReserveRequest; result: LeaseInfo, or None when it does not fit
-    RELEASE = "release"   # argument: the engine's lease id; result: whether it existed
-    LEASES = "leases"     # no argument; result: LeaseLedger
+    RELEASE = "release"   # argument: LeaseRef; result: whether it existed (and was the owner's)
+    LEASES = "leases"     # argument: the owner; result: LeaseLedger of that owner's leases
+    PING = "ping"         # no argument; result: True, answered by the engine loop between steps
 
 
 @dataclass(slots=True)
@@ -198,6 +219,7 @@ class StatsUpdate:
 class CallErrorKind(enum.Enum):
     UNSUPPORTED = "unsupported"  # this engine does not answer the method (no reservations)
     INVALID = "invalid"          # the argument is wrong (its message names it)
+    LIMIT = "limit"              # the caller holds as much as it may (leases per owner)
 
 
 @dataclass(slots=True)

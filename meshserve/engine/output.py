@@ -8,7 +8,7 @@ in it, never to the length of the answer so far.
 from __future__ import annotations
 
 from meshserve.engine.detokenizer import IncrementalDetokenizer, find_stop
-from meshserve.engine.messages import RequestDelta, SampleDelta
+from meshserve.engine.messages import ErrorCode, RequestDelta, SampleDelta
 from meshserve.engine.sequence import Sequence
 from meshserve.outputs import RequestMetrics
 from meshserve.sampling_params import SamplingParams
@@ -96,6 +96,7 @@ class EngineRequest:
                                     params) for i in range(params.n)]
         self.metrics = RequestMetrics(arrival_time=arrival)
         self.error: str | None = None
+        self.error_code: ErrorCode | None = None  # why the engine ended it early
         self.lease_id: str | None = None  # the KV reservation it draws on
         self.eos_token_ids: tuple[int, ...] = ()  # the ids that end its samples (none with ignore_eos)
 
@@ -113,4 +114,5 @@ class EngineRequest:
             return None
         finished = self.finished
         return RequestDelta(self.request_id, outputs, finished, error=self.error if finished else None,
+                            error_code=self.error_code if finished else None,
                             metrics=self.metrics if finished else None)

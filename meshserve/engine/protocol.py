@@ -9,7 +9,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
-from meshserve.engine.messages import EngineStats, LeaseInfo, LeaseLedger, ModelInfo, RequestDelta, ReserveRequest
+from meshserve.engine.messages import (
+    EngineStats,
+    LeaseInfo,
+    LeaseLedger,
+    LeaseRef,
+    ModelInfo,
+    RequestDelta,
+    ReserveRequest,
+)
 from meshserve.sampling_params import SamplingParams
 
 
@@ -42,9 +50,11 @@ class EngineProtocol(Protocol):
 
     # ---- requests ---------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    arrival_time: float | None = None, lease_id: str | None = None) -> list[int]:
+                    arrival_time: float | None = None, lease_id: str | None = None, lease_owner: str = "",
+                    cache_salt: str = "") -> list[int]:
         """Queue a request; its prompt token ids. ValueError (naming the problem) when it cannot be
-        served (block_manager.ReservationError when the lease it names cannot cover it)."""
+        served (block_manager.ReservationError when the lease it names cannot cover it or is not
+        `lease_owner`'s). `cache_salt` scopes its prefix-cache hits."""
         ...
 
     def abort_request(self, request_id: str) -> None: ...
@@ -58,9 +68,13 @@ class EngineProtocol(Protocol):
     # ---- reservations (UnsupportedCall where there are none) -----------------------------------
     def reserve(self, req: ReserveRequest) -> LeaseInfo | None: ...
 
-    def release_lease(self, lease_id: str) -> bool: ...
+    def release_lease(self, ref: LeaseRef) -> bool:
+        """End the owner's lease (False: none such); a request drawing on it ends with its error."""
+        ...
 
-    def leases(self) -> LeaseLedger: ...
+    def leases(self, owner: str = "") -> LeaseLedger:
+        """The block totals and the leases of `owner`."""
+        ...
 
     # ---- the process around it ----------------------------------------------------------------
     def check_health(self) -> None:

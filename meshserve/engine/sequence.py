@@ -21,8 +21,9 @@ class SequenceStatus(enum.Enum):
 
 class Sequence:
     def __init__(self, request_id: str, index: int, prompt_token_ids: list[int], params: SamplingParams,
-                 arrival_time: float):
+                 arrival_time: float, cache_salt: str = ""):
         self.seq_id = next(_ids)
+        self.cache_salt = cache_salt  # its prefix-cache scope (block_manager.BlockManager.roots)
         self.request_id = request_id
         self.index = index
         self.params = params

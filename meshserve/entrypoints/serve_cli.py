@@ -2,9 +2,9 @@
 from __future__ import annotations
 
 import argparse
-import os
 
-from meshserve.server.server_config import DEFAULT_MAX_BODY_BYTES, check_data_parallel_size
+from meshserve.server.server_config import ServerConfig, check_data_parallel_size
+from meshserve.utils.cli_fields import add_flags, values_for
 
 _EPILOG = """\
 examples:
@@ -27,30 +27,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     EngineConfig.add_cli_args(p)
     g = p.add_argument_group("server")
-    g.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
-    g.add_argument("--port", type=int, default=8000, help="port to bind (default: %(default)s)")
     g.add_argument("--served-model-name", default=None, metavar="NAME",
                    help="the model name clients send and /v1/models lists (default: the model's id)")
-    g.add_argument("--data-parallel-size", "-dp", type=int, default=1, metavar="N",
-                   help="engine replicas behind this server, each with its own KV cache and devices; "
-                        "requests go to the least loaded (default: 1)")
-    g.add_argument("--api-key", default=os.environ.get("MESHSERVE_API_KEY"), metavar="KEY",
-                   help="require 'Authorization: Bearer KEY' (default: $MESHSERVE_API_KEY, else none)")
-    g.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS",
-                   help="on SIGTERM, how long running requests may take to finish (default: %(default)s)")
-    g.add_argument("--max-queued-requests", type=int, default=None, metavar="N",
-                   help="at most N sequences (prompts x n) may wait for their first token; more get 429 "
-                        "with Retry-After, and a request larger than N alone gets 400 (default: unbounded)")
-    g.add_argument("--max-prompts-per-request", type=int, default=64, metavar="N",
-                   help="prompts one /v1/completions request may batch; more get 400 (default: %(default)s)")
-    g.add_argument("--max-engine-restarts", type=int, default=5, metavar="N",
-                   help="a crashed engine is restarted with backoff; after more than N crashes of one "
-                        "engine within --engine-restart-window the server exits 1 (default: %(default)s)")
-    g.add_argument("--engine-restart-window", type=float, default=300.0, metavar="SECONDS",
-                   help="the window --max-engine-restarts counts crashes in (default: %(default)s)")
-    g.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, metavar="BYTES",
-                   help="larger request bodies get 413 (default: %(default)s)")
-    g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    add_flags(g, ServerConfig)
     add_fleet_options(p)
     p.set_defaults(func=run, _parser=p)
 
@@ -79,14 +58,8 @@ def run(args: argparse.Namespace) -> int:
         return _run_fleet(args)
     from meshserve.config import EngineConfig
     from meshserve.server.launcher import run_server
-    from meshserve.server.server_config import ServerConfig
 
-    server_config = ServerConfig(
-        host=args.host, port=args.port, api_key=args.api_key, drain_timeout=args.drain_timeout,
-        max_queued_requests=args.max_queued_requests, max_body_bytes=args.max_body_bytes,
-        max_prompts_per_request=args.max_prompts_per_request, max_engine_restarts=args.max_engine_restarts,
-        engine_restart_window=args.engine_restart_window,
-        data_parallel_size=args.data_parallel_size, log_level=args.log_level)
+    server_config = ServerConfig(**values_for(ServerConfig, args))
     engine_config = EngineConfig.from_cli_args(args).serving_defaults()  # takes served_model_name too
     return run_server(engine_config, server_config)
 

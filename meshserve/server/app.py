@@ -2,27 +2,23 @@
 from __future__ import annotations
 
 import logging
-import time
-from dataclasses import asdict
 
 from fastapi import FastAPI
 from starlette.requests import Request
 from starlette.responses import Response
 
 import meshserve
-from meshserve.api.errors import APIError, bad_request, error_body
+from meshserve.api.errors import bad_request, error_body
 from meshserve.api.json_body import parse, read_json
 from meshserve.api.middleware import RequestContextMiddleware, install_error_handlers
 from meshserve.api.protocol import (
     DetokenizeRequest,
-    ReservationRequest,
     TokenizeRequest,
 )
 from meshserve.api.sse import JSONBytesResponse
 from meshserve.distributed.expert_load import summarize
-from meshserve.engine.client import EngineCallError, EngineDeadError
-from meshserve.engine.messages import ReserveRequest
 from meshserve.server.metrics import CONTENT_TYPE, ServerMetrics
+from meshserve.server.reservations import add_reservation_routes
 from meshserve.server.serving import ServingContext
 from meshserve.server.serving_chat import create_chat_completion
 from meshserve.server.serving_completion import create_completion
@@ -34,7 +30,8 @@ def build_app(ctx: ServingContext, metrics: ServerMetrics, engine_config: dict) 
     app = FastAPI(title="meshserve", version=meshserve.__version__, docs_url=None, redoc_url=None,
                   openapi_url=None)
     app.add_middleware(RequestContextMiddleware, api_key=ctx.config.api_key,
-                       max_body_bytes=ctx.config.max_body_bytes, load_report=ctx.load_report)
+                       max_body_bytes=ctx.config.max_body_bytes, load_report=ctx.load_report,
+                       metrics_api_key=ctx.config.metrics_api_key)
 
     install_error_handlers(app)
 
@@ -55,10 +52,13 @@ def build_app(ctx: ServingContext, metrics: ServerMetrics, engine_config: dict) 
 
     @app.get("/health")
     async def health() -> Response:
-        """200 while some engine takes work ("ok", or "degraded" while one restarts); 503 when none."""
-        state = ctx.client.health()
-        if not ctx.client.healthy:
-            body = error_body(503, "no engine is running", code="engine_unavailable")
+        """200 while some engine's loop answers ("ok", or "degraded" while one restarts or does not
+        answer); 503 when none does: the answer goes through the engine process, so an engine that
+        is wedged or stopped behind a live front end shows here."""
+        responsive = await ctx.client.calls.responsive(ctx.config.health_timeout)
+        state = ctx.client.health(responsive)
+        if not any(responsive.values()):
+            body = error_body(503, "no engine is answering", code="engine_unavailable")
             return JSONBytesResponse({**body, **state}, status_code=503, headers={"Retry-After": "5"})
         return JSONBytesResponse(state)
 
@@ -90,53 +90,7 @@ def build_app(ctx: ServingContext, metrics: ServerMetrics, engine_config: dict) 
             raise bad_request("send either prompt or messages", param="prompt")
         return JSONBytesResponse({"tokens": tokens, "count": len(tokens), "max_model_len": ctx.max_model_len})
 
-    # ---- KV reservations: the engine grants or refuses, atomically for all its ranks ---------------
-    @app.post("/v1/reservations")
-    async def reserve(request: Request) -> Response:
-        req = parse(ReservationRequest, await read_json(request, ctx.config.max_body_bytes))
-        ctx.check_prompt_ids(req.prompt_token_ids, param="prompt_token_ids")
-        try:
-            lease = await ctx.client.reserve(ReserveRequest(req.prompt_token_ids, req.max_tokens, req.n, req.ttl_s,
-                                                            req.request_id, req.attempt_id))
-        except EngineDeadError as exc:
-            raise APIError(503, str(exc), code="engine_unavailable", headers={"Retry-After": "5"}) from None
-        except EngineCallError as exc:
-            if exc.unsupported:
-                raise APIError(501, str(exc), code="reservations_unsupported") from None
-            raise APIError(400, str(exc), code="invalid_parameter") from None
-        if lease is None:
-            raise APIError(409, "not enough unreserved KV blocks for this request now",
-                           code="insufficient_kv_capacity", headers={"Retry-After": "1"})
-        body = lease.to_dict()
-        body["expires_at"] = round(time.time() + lease.expires_in_s, 3)
-        return JSONBytesResponse(body, status_code=201)
-
-    @app.delete("/v1/reservations/{lease_id}")
-    async def release(lease_id: str) -> Response:
-        try:
-            released = await ctx.client.release(lease_id)
-        except EngineDeadError:
-            released = False  # its leases died with it
-        except EngineCallError:
-            released = False
-        if not released:
-            raise APIError(404, f"reservation {lease_id!r} does not exist (it ended or expired)",
-                           code="reservation_not_found")
-        return JSONBytesResponse({"lease_id": lease_id, "released": True})
-
-    @app.get("/v1/reservations")
-    async def reservations() -> Response:
-        """The engines' own ledgers: every live lease, and the totals per engine."""
-        try:
-            engines = await ctx.client.leases()
-        except EngineCallError as exc:
-            raise APIError(501, str(exc), code="reservations_unsupported") from None
-        return JSONBytesResponse({
-            "num_blocks": sum(ledger.num_blocks for _, ledger in engines),
-            "reserved_blocks": sum(ledger.reserved_blocks for _, ledger in engines),
-            "leases": [lease.to_dict() for _, ledger in engines for lease in ledger.leases],
-            "engines": [{"engine": rank, **{k: v for k, v in asdict(ledger).items() if k != "leases"}}
-                        for rank, ledger in engines]})
+    add_reservation_routes(app, ctx)
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> Response:

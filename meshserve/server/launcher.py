@@ -32,7 +32,8 @@ def run_server(engine_config: Any, config: ServerConfig,
                                       engine_config.resolved_device().type)
     client = EngineClient(factories, log_level=config.log_level, placements=placements,
                           policy=SupervisorPolicy(max_restarts=config.max_engine_restarts,
-                                                  window_s=config.engine_restart_window))
+                                                  window_s=config.engine_restart_window),
+                          max_stream_backlog=config.max_stream_backlog)
     metrics = ServerMetrics(client.stats)
     register_parallel_metrics(metrics.registry, client.parallel_timing)
     register_moe_metrics(metrics.registry, client.expert_load)

@@ -27,14 +27,9 @@ from meshserve.api.sse import (
     cancel_on_disconnect,
     sse_event,
 )
-from meshserve.engine.client import (
-    EngineCallError,
-    EngineClient,
-    EngineDeadError,
-    EngineRejectedError,
-    EngineRequestFailed,
-)
-from meshserve.engine.messages import RequestDelta
+from meshserve.engine.client import EngineClient
+from meshserve.engine.errors import EngineCallError, EngineDeadError, EngineRejectedError, EngineRequestFailed
+from meshserve.engine.messages import ErrorCode, RequestDelta
 from meshserve.sampling_params import API_PASSTHROUGH_FIELDS, SamplingParams
 from meshserve.server.server_config import ServerConfig
 
@@ -168,7 +163,8 @@ class ServingContext:
         rejects still gets a proper error status; after that, failures end the stream in-band."""
         self.admit(sum(params.n for _, _, params in engine_requests))
         view.return_token_ids = request.headers.get(TOKEN_IDS_HEADER) == "1"
-        outputs = self.client.generate(engine_requests, arrival, lease_id=request.headers.get(RESERVATION_HEADER))
+        outputs = self.client.generate(engine_requests, arrival, lease_id=request.headers.get(RESERVATION_HEADER),
+                                       owner=request.state.key_owner, cache_salt=view.req.cache_salt or "")
 
         async def run() -> Response:
             try:
@@ -183,8 +179,7 @@ class ServingContext:
                 raise APIError(503, str(exc), code="engine_unavailable", headers={"Retry-After": "5"},
                                request_id=view.request_id) from None
             except EngineRequestFailed as exc:
-                raise APIError(500, str(exc), type="server_error", code="engine_step_failed",
-                               request_id=view.request_id) from None
+                raise _ended_early(exc, view.request_id) from None
             return EventStreamResponse(view.events(first, outputs))
 
         try:
@@ -192,6 +187,14 @@ class ServingContext:
         except BaseException:
             await outputs.aclose()
             raise
+
+
+def _ended_early(exc: EngineRequestFailed, request_id: str) -> APIError:
+    """A request the engine ended before its answer started: a failed step is the server's fault, a
+    reservation released under it the caller's (who released it) to redo."""
+    if exc.code == ErrorCode.RESERVATION_RELEASED.value:
+        return APIError(409, str(exc), code=exc.code, request_id=request_id)
+    return APIError(500, str(exc), type="server_error", code=exc.code, request_id=request_id)
 
 
 @dataclass
@@ -279,8 +282,11 @@ async def sse_stream(chunks: AsyncGenerator[dict, None], outputs: AsyncGenerator
         else:  # a bug in the server: its message may quote the text, so only its type is told
             reason = type(exc).__name__
             logger.error("a stream failed after it started (%s)", reason, exc_info=logger.isEnabledFor(logging.DEBUG))
-        yield sse_event(error_body(500, f"generation failed after the stream started: {reason}",
-                                   code="partial_stream_failure", request_id=request_id))
+        body = error_body(500, f"generation failed after the stream started: {reason}",
+                          code="partial_stream_failure", request_id=request_id)
+        if isinstance(exc, EngineRequestFailed):  # why the engine ended it (a gateway tells faults apart)
+            body["error"]["cause"] = exc.code
+        yield sse_event(body)
     finally:
         await chunks.aclose()
         await outputs.aclose()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 from collections.abc import Callable
 from dataclasses import MISSING, dataclass, field
 from typing import Any
@@ -22,6 +23,7 @@ class Flag:
     type: Callable[[str], Any] | None = None  # default: the default value's type (int, float, str)
     choices: tuple[Any, ...] | None = None
     metavar: str | None = None
+    env: str | None = None  # an environment variable that, when set, gives the flag's default
 
 
 def flag(default: Any = MISSING, help: str | None = None, *, default_factory: Any = MISSING, **options: Any) -> Any:
@@ -38,7 +40,8 @@ def add_flags(group: argparse._ActionsContainer, cls: type) -> None:
         spec: Flag | None = f.metadata.get("flag")
         if spec is None:
             continue
-        kwargs: dict[str, Any] = {"dest": f.name, "default": f.default, "help": spec.help}
+        default = os.environ.get(spec.env, f.default) if spec.env else f.default
+        kwargs: dict[str, Any] = {"dest": f.name, "default": default, "help": spec.help}
         if isinstance(f.default, bool):
             kwargs["action"] = argparse.BooleanOptionalAction if f.default else "store_true"
         else:

@@ -181,7 +181,8 @@ def test_killed_engine_and_killed_worker_under_load(chaos_model):
         assert set(outcomes) <= {"ok", "stream-error partial_stream_failure", "503 engine_unavailable"}, outcomes
         assert outcomes.count("ok") >= REQUESTS, outcomes
         health = httpx.get(server.url + "/health").json()
-        assert health == {"status": "ok", "replicas": 2, "replicas_alive": 2, "restarts": kills}, health
+        assert health == {"status": "ok", "replicas": 2, "replicas_alive": 2, "replicas_answering": 2,
+                          "restarts": kills}, health
         r = httpx.post(server.url + "/v1/completions", timeout=60,
                        json={"prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0})
         assert r.status_code == 200

@@ -22,7 +22,15 @@ import sys
 import tempfile
 import time
 
-from meshserve.engine.messages import EngineStats, LeaseInfo, LeaseLedger, ModelInfo, RequestDelta, ReserveRequest
+from meshserve.engine.messages import (
+    EngineStats,
+    LeaseInfo,
+    LeaseLedger,
+    LeaseRef,
+    ModelInfo,
+    RequestDelta,
+    ReserveRequest,
+)
 from meshserve.engine.output import EngineRequest
 from meshserve.engine.protocol import UnsupportedCall
 
@@ -72,7 +80,8 @@ class FakeEngine:
     def config_dict(self) -> dict:
         return {"model": "fake-echo", "block_size": BLOCK}
 
-    def add_request(self, request_id, prompt, params, arrival_time=None, lease_id=None) -> list[int]:
+    def add_request(self, request_id, prompt, params, arrival_time=None, lease_id=None, lease_owner="",
+                    cache_salt="") -> list[int]:
         if lease_id is not None:
             raise ValueError("this engine grants no reservations")
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
@@ -135,10 +144,10 @@ class FakeEngine:
     def reserve(self, req: ReserveRequest) -> LeaseInfo | None:
         raise UnsupportedCall
 
-    def release_lease(self, lease_id: str) -> bool:
+    def release_lease(self, ref: LeaseRef) -> bool:
         raise UnsupportedCall
 
-    def leases(self) -> LeaseLedger:
+    def leases(self, owner: str = "") -> LeaseLedger:
         raise UnsupportedCall
 
     def check_health(self) -> None:

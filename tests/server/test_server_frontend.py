@@ -146,9 +146,14 @@ def test_api_key_is_enforced(server):
         r = httpx.post(server.url + "/v1/completions", json={"prompt": "a"}, headers=headers)
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
         assert "x-request-id" in r.headers
-    assert httpx.get(server.url + "/v1/models").status_code == 401
+    # Every route but /health needs the key: the metrics, the ledger, the tokenizer included.
+    for method, path in (("GET", "/v1/models"), ("GET", "/metrics"), ("GET", "/v1/reservations"),
+                         ("POST", "/v1/reservations"), ("DELETE", "/v1/reservations/0.x"), ("POST", "/tokenize"),
+                         ("POST", "/detokenize"), ("GET", "/server_info"), ("GET", "/moe/expert_load")):
+        r = httpx.request(method, server.url + path, json={})
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", path
     assert httpx.get(server.url + "/health").status_code == 200
-    assert httpx.get(server.url + "/metrics").status_code == 200
+    assert httpx.get(server.url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
 
 
 BAD_REQUESTS = [

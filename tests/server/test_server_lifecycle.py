@@ -134,7 +134,7 @@ def test_engine_crash_mid_stream_ends_in_band_then_the_engine_is_restarted(tmp_p
         _wait_for(lambda: httpx.get(s.url + "/health").status_code == 200, 30, "the engine came back")
         recovery = time.monotonic() - released
         assert httpx.get(s.url + "/health").json() == {"status": "ok", "replicas": 1, "replicas_alive": 1,
-                                                       "restarts": 1}
+                                                       "replicas_answering": 1, "restarts": 1}
         r = httpx.post(s.url + "/v1/completions", json={"prompt": "after", "max_tokens": 5})
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == "after"
         text = httpx.get(s.url + "/metrics").text

@@ -12,8 +12,8 @@ from server_fake_engine import FakeEngine
 
 from meshserve.api.errors import from_value_error
 from meshserve.api.sse import DONE, sse_event
-from meshserve.engine.client import EngineDeadError
 from meshserve.engine.core_proc import EngineLoop
+from meshserve.engine.errors import EngineDeadError
 from meshserve.engine.messages import AddRequest, Shutdown, StepOutput
 from meshserve.engine.output import EngineRequest
 from meshserve.sampling_params import SamplingParams
