@@ -75,8 +75,10 @@ class RayWorkerActor:
         self.worker = Worker(config, source, max_model_len, rank, store, device, list(share))
         return self.worker.info
 
-    def call(self, call: RankCall):
-        return call.apply(self.worker)
+    def call(self, method: RankMethod, *args):
+        # The arguments travel at the top level of the Ray call, where Ray resolves an ObjectRef
+        # (the step, stored once for every actor) to its value; inside a RankCall it would not.
+        return RankCall(method, args).apply(self.worker)
 
 
 def _gloo_on_interface_of(ip: str) -> None:
@@ -174,8 +176,7 @@ class RayExecutor(DistributedExecutor):
     def _call_all(self, method: RankMethod, *args) -> list:
         if self._failure is not None:
             raise self._failure
-        call = RankCall(method, args)
-        return self._get([a.call.remote(call) for a in self.actors])
+        return self._get([a.call.remote(method, *args) for a in self.actors])
 
     def _step_arg(self, step: StepInput):
         return self._ray.put(step)  # stored once, read by every actor
@@ -189,7 +190,7 @@ class RayExecutor(DistributedExecutor):
         if self._closed:
             return
         try:
-            self._get([a.call.remote(RankCall(RankMethod.CLOSE)) for a in self.actors], timeout=10.0)
+            self._get([a.call.remote(RankMethod.CLOSE) for a in self.actors], timeout=10.0)
         except (WorkerFailure, TimeoutError) as exc:
             logger.warning("Ray workers did not stop cleanly: %s", exc)
         if not self._closed:
