@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from meshserve.api.errors import bad_request
 
+# A UTF-8 character is at most 4 bytes, so a byte-level tokenizer splits one over at most 4 tokens:
+# how far back a stream cut inside a character must look (the detokenizer, the gateway's resumption).
+MAX_CHAR_TOKENS = 4
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat: the rest of the context
 
 

@@ -1,6 +1,7 @@
 """Incremental detokenization and stop-string matching for one sequence."""
 from __future__ import annotations
 
+from meshserve.api.limits import MAX_CHAR_TOKENS
 from meshserve.tokenizer import Tokenizer
 
 # Prompt tokens decoded before the first output token: enough for a tokenizer that marks word starts
@@ -22,6 +23,11 @@ class IncrementalDetokenizer:
         self.tokens: list[int] = context
         self.prefix_offset = 0  # window start: decoding from here reproduces text already emitted
         self.read_offset = len(context)  # tokens before this are emitted (or are the prompt's)
+        # A prompt that ends inside a character (a stream continued from a cut mid-character): its
+        # last bytes are rendered with the first output tokens, which complete that character.
+        while (self.read_offset > 0 and len(context) - self.read_offset < MAX_CHAR_TOKENS
+               and tokenizer.decode(context[:self.read_offset], skip_special_tokens=self.skip).endswith("\ufffd")):
+            self.read_offset -= 1
 
     def add(self, token_id: int) -> str:
         self.tokens.append(token_id)

@@ -78,6 +78,25 @@ def add_gateway_options(p: argparse.ArgumentParser, d: CacheAwareConfig, shared:
     if shared:
         a.add_argument("--api-key", default=os.environ.get("MESHSERVE_API_KEY"), metavar="KEY",
                        help="without --tenants: require 'Authorization: Bearer KEY' (default: $MESHSERVE_API_KEY)")
+    a.add_argument("--backend-api-key", default=os.environ.get("MESHSERVE_BACKEND_API_KEY"), metavar="KEY",
+                   help="the replicas' --api-key, sent on every call to them (default: $MESHSERVE_BACKEND_API_KEY)")
+    if shared:  # `serve` has these (the same names): a one-command fleet gives them to both
+        a.add_argument("--metrics-api-key", default=os.environ.get("MESHSERVE_METRICS_API_KEY"), metavar="KEY",
+                       help="a key that opens /metrics only, beside the clients' keys (default: "
+                            "$MESHSERVE_METRICS_API_KEY)")
+        a.add_argument("--max-prompts-per-request", type=int, default=64, metavar="N",
+                       help="prompts one /v1/completions request may batch, checked before anything is "
+                            "tokenized; more get 400 (default: %(default)s)")
+    a.add_argument("--tokenize-concurrency", type=int, default=8, metavar="N",
+                   help="/tokenize calls one request's prompts may have open at once (default: %(default)s)")
+    a.add_argument("--max-upstream-connections", type=int, default=512, metavar="N",
+                   help="connections to the replicas at once; more requests wait for one (default: %(default)s)")
+    a.add_argument("--reservation-timeout", type=float, default=2.0, metavar="S",
+                   help="a replica that neither grants nor refuses a reservation within this long has "
+                        "failed the call (default: %(default)s)")
+    a.add_argument("--skip-ahead-age", type=float, default=5.0, metavar="S",
+                   help="a waiting request that does not fit may be passed by later ones that do until it "
+                        "has waited this long; then the capacity that frees is kept for it (default: %(default)s)")
     a.add_argument("--lease-ttl", type=float, default=10.0, metavar="S",
                    help="an unused KV reservation ends after this long (default: %(default)s)")
     a.add_argument("--max-queued", type=int, default=1024, metavar="N",
@@ -107,6 +126,10 @@ def config_from_args(args: argparse.Namespace, backends: list[str], host: str, p
         retry_budget_ratio=args.retry_budget_ratio, resume_streams=args.resume_streams,
         lease_ttl_s=args.lease_ttl, max_queued=args.max_queued, max_queue_wait_s=args.max_queue_wait,
         tenants_file=args.tenants, api_key=args.api_key if not args.tenants else None,
+        backend_api_key=args.backend_api_key, metrics_api_key=args.metrics_api_key,
+        max_prompts_per_request=args.max_prompts_per_request, tokenize_concurrency=args.tokenize_concurrency,
+        max_upstream_connections=args.max_upstream_connections, reservation_timeout_s=args.reservation_timeout,
+        skip_ahead_age_s=args.skip_ahead_age,
         trace_file=args.trace_file, otlp_endpoint=args.otlp_endpoint, log_level=args.log_level)
 
 

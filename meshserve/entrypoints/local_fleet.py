@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import os
+import secrets
 import signal
 import sys
 import tempfile
@@ -61,7 +63,10 @@ def run_fleet(args: argparse.Namespace, argv: list[str],
     # The gateway's flags are checked before any replica starts (placeholder backends).
     gateway_config_from_args(args, [f"http://127.0.0.1:{i + 1}" for i in range(n)], args.host, args.port)
     log_dir = tempfile.mkdtemp(prefix="meshserve-fleet-")
-    env = dict(os.environ)
+    # The replicas answer only the gateway: a key of their own, whatever the clients' key is (a client
+    # on this host that found a replica's port could otherwise skip the gateway's keys and quotas).
+    backend_key = secrets.token_urlsafe(32)
+    env = {**os.environ, "MESHSERVE_API_KEY": backend_key}  # not on the command line: `ps` shows that
     cores = os.cpu_count() or 1
     # CPU replicas share the cores instead of each spinning one thread per core.
     env.setdefault("OMP_NUM_THREADS", str(max(1, cores // n)))
@@ -76,7 +81,8 @@ def run_fleet(args: argparse.Namespace, argv: list[str],
             print(f"replica {i}: {replica.url} (log {replica.log_path})", file=sys.stderr)
         for replica in replicas:
             replica.wait_healthy_sync(REPLICA_STARTUP_TIMEOUT_S)
-        config = gateway_config_from_args(args, [r.url for r in replicas], args.host, args.port)
+        config = dataclasses.replace(gateway_config_from_args(args, [r.url for r in replicas], args.host, args.port),
+                                     backend_api_key=backend_key)
         logging.basicConfig(level=config.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
         return asyncio.run(serve(config))
     except RuntimeError as exc:  # a replica exited or never became healthy

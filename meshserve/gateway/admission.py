@@ -1,18 +1,20 @@
 """Admission: a request is placed only when a replica's engine has reserved its KV blocks.
 
 Placing a request means choosing a replica (the routing policy, over healthy compatible replicas
-whose load figures are fresh) and asking that replica's engine for a lease (POST /v1/reservations)
-covering prompt + max_tokens less what it caches of the prompt. The engine grants or refuses
-atomically, against blocks not promised to anyone else, so two gateways can never admit against the
-same free capacity. A refusal moves on to the next-best replica; when none grants, the request
-waits in a bounded queue that is fair across tenants (each round offers every tenant's oldest
-request one try) until capacity frees or its deadline passes (then 503; a full queue is 429).
+whose load figures are fresh) and asking that replica's engine for a lease (POST /v1/reservations,
+reserver.py) covering prompt + max_tokens less what it caches of the prompt. The engine grants or
+refuses atomically, against blocks not promised to anyone else, so two gateways can never admit
+against the same free capacity. A refusal moves on to the next-best replica; when none grants, the
+request waits in a bounded queue that is fair across tenants (each round offers every tenant's
+oldest request a try) until capacity frees or its deadline passes (then 503; a full queue is 429).
+
+A waiting request that does not fit is passed by later ones of its tenant that do (a few each
+round), until it has waited `skip_ahead_age_s`: from then on nothing passes it, of any tenant, so
+the capacity that frees is kept for it. When every replica that could serve a request has been
+ruled out for it (it failed there, or was busy), it is answered at once, never left to its
+deadline. No lock is held across a call to a replica: the engines arbitrate the capacity.
 
 Backends without reservations (other engines) are placed by routing alone.
-
-Leases are all-or-nothing across replicas (`reserve_all`): a later disaggregated placement that
-needs a prefill and a decode replica at once takes both leases or neither, and a lease never used
-ends by itself after `lease_ttl_s` on the engine, so a gateway that dies mid-way strands nothing.
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ import collections
 import logging
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -29,12 +31,14 @@ import aiohttp
 from meshserve.api.errors import APIError, bad_request
 from meshserve.gateway.config import GatewayConfig
 from meshserve.gateway.replicas import LeaseRecord, Replica, ReplicaIdentity, ReplicaSet
+from meshserve.gateway.reserver import ReservationFailed, Reserver
 from meshserve.routing.policies import RouteRequest, RoutingPolicy, Score
 
 logger = logging.getLogger(__name__)
 
 DEADLINE_HEADER = "x-request-deadline-ms"
 _PUMP_TICK_S = 0.05  # capacity freed by other gateways is noticed at least this often
+SKIP_AHEAD_TRIES = 4  # later requests of one tenant offered per round when its oldest does not fit
 
 
 @dataclass(frozen=True)
@@ -83,71 +87,9 @@ class AdmissionRequest:
     attempt_id: str
     deadline: Deadline
     reserve: bool = True  # False for a batch of prompts (a lease covers one)
-    exclude: set[int] = field(default_factory=set)
-
-
-class Reserver:
-    """POST/DELETE /v1/reservations on the replicas."""
-
-    def __init__(self, session: aiohttp.ClientSession, config: GatewayConfig) -> None:
-        self.session = session
-        self.config = config
-        self._timeout = aiohttp.ClientTimeout(total=config.probe_timeout_s + 5, sock_connect=config.connect_timeout_s)
-
-    async def reserve(self, replica: Replica, req: AdmissionRequest, token_ids: Sequence[int],
-                      max_tokens: int) -> LeaseRecord | None:
-        """A lease, or None when the replica's engine refused (not enough unpromised blocks).
-        aiohttp.ClientError / TimeoutError: the replica did not answer."""
-        body = {"prompt_token_ids": list(token_ids), "max_tokens": max_tokens, "n": req.n,
-                "ttl_s": self.config.lease_ttl_s, "request_id": req.request_id, "attempt_id": req.attempt_id}
-        async with self.session.post(replica.url + "/v1/reservations", json=body, timeout=self._timeout) as resp:
-            if resp.status == 409:
-                return None
-            if resp.status != 201:
-                raise aiohttp.ClientResponseError(resp.request_info, (), status=resp.status,
-                                                  message="reservation failed")
-            lease = await resp.json(content_type=None)
-        record = LeaseRecord(lease["lease_id"], int(lease["blocks"]) + int(lease.get("pinned_blocks", 0)),
-                             req.request_id)
-        replica.leases[record.lease_id] = record
-        return record
-
-    async def reserve_all(self, wanted: list[tuple[Replica, AdmissionRequest, list[int], int]],
-                          ) -> list[LeaseRecord] | None:
-        """Leases on several replicas, all or none: a refusal releases those already granted."""
-        granted: list[tuple[Replica, LeaseRecord]] = []
-        try:
-            for replica, req, ids, max_tokens in wanted:
-                lease = await self.reserve(replica, req, ids, max_tokens)
-                if lease is None:
-                    break
-                granted.append((replica, lease))
-            else:
-                return [lease for _, lease in granted]
-        except BaseException:
-            await asyncio.gather(*(self.release(r, lease) for r, lease in granted))
-            raise
-        await asyncio.gather(*(self.release(r, lease) for r, lease in granted))
-        return None
-
-    async def release(self, replica: Replica, lease: LeaseRecord) -> None:
-        """End a lease the request did not use up. If the replica cannot confirm, the record stays
-        (orphaned, still counted) until reconciliation with the replica's ledger."""
-        try:
-            async with self.session.delete(f"{replica.url}/v1/reservations/{lease.lease_id}",
-                                           timeout=self._timeout) as resp:
-                if resp.status in (200, 404):  # 404: it had ended already
-                    replica.leases.pop(lease.lease_id, None)
-                    return
-        except (aiohttp.ClientError, TimeoutError):
-            pass
-        lease.orphaned = True
-
-    @staticmethod
-    def ended(replica: Replica, lease: LeaseRecord | None) -> None:
-        """The request that drew on it finished: the engine has ended the lease itself."""
-        if lease is not None:
-            replica.leases.pop(lease.lease_id, None)
+    exclude: set[int] = field(default_factory=set)  # replicas ruled out for it (they failed it)
+    cache_salt: str = ""  # the tenant's prefix-cache scope on the replicas
+    queued_at: float = field(default_factory=time.monotonic)
 
 
 @dataclass
@@ -167,8 +109,7 @@ class Admission:
         self._queues: dict[str, collections.deque[_Waiter]] = {}
         self._turn: collections.deque[str] = collections.deque()  # tenants in round-robin order
         self._kick = asyncio.Event()
-        self._task: asyncio.Task | None = None
-        self._lock = asyncio.Lock()  # one placement at a time: the router's view stays consistent
+        self._task: asyncio.Task[None] | None = None
 
     @property
     def waiting(self) -> int:
@@ -186,16 +127,24 @@ class Admission:
         """A request ended or a replica came back: waiting requests may fit now."""
         self._kick.set()
 
+    def _pool(self, req: AdmissionRequest) -> list[Replica]:
+        return [r for r in self.replicas.compatible(req.model, req.like) if r.index not in req.exclude]
+
     async def admit(self, req: AdmissionRequest) -> Placement:
-        """A placement, or APIError: 503 when no healthy replica serves the model or the deadline
-        passes first, 429 when the queue is full."""
+        """A placement, or APIError: 503 when no healthy replica serves the model, the ones that do
+        have all failed this request, or the deadline passes first; 429 when the queue is full; the
+        replica's own 4xx when it refuses the request itself."""
         if not self.replicas.compatible(req.model, req.like):
             raise APIError(503, "no healthy replica serves this model now", code="no_healthy_replica",
                            headers={"Retry-After": "2"})
+        if not self._pool(req):
+            raise RuledOut()
         if not self.waiting:  # nobody is ahead of it: no reason to queue
             placement = await self.try_place(req)
             if placement is not None:
                 return placement
+            if not self._pool(req):  # the replicas it had failed it just now
+                raise RuledOut()
         if self.waiting >= self.config.max_queued:
             raise APIError(429, f"the admission queue is full ({self.config.max_queued} requests)",
                            code="queue_full", headers={"Retry-After": "1"})
@@ -238,43 +187,71 @@ class Admission:
             except TimeoutError:
                 pass
             self._kick.clear()
-            while await self._round():
-                pass
+            try:
+                while await self._round():
+                    pass
+            except Exception:  # a bug must not stop admission for every request that waits
+                logger.exception("an admission round failed; the queue is served on")
+
+    def _starving(self, now: float) -> _Waiter | None:
+        """The oldest waiting request that has waited past `skip_ahead_age_s`, if any."""
+        heads = [q[0] for q in self._queues.values() if q and not q[0].future.done()]
+        oldest = min(heads, key=lambda w: w.req.queued_at, default=None)
+        if oldest is not None and now - oldest.req.queued_at >= self.config.skip_ahead_age_s:
+            return oldest
+        return None
 
     async def _round(self) -> bool:
-        """Offer each tenant's oldest waiting request one try, in turn; True if any was placed. A
-        tenant whose request was placed goes to the back of the line, so the next capacity that
-        frees goes to another tenant first, however many requests the first one queued."""
-        placed = False
-        for tenant in list(self._turn):
-            queue = self._queues.get(tenant)
+        """Offer each tenant's oldest waiting request a try, in turn (and, when it does not fit, a
+        few of its later ones); True if any was placed. A tenant whose request was placed goes to the
+        back of the line, so the next capacity that frees goes to another tenant first, however many
+        requests the first one queued. A request waiting past the age bound is the only one tried."""
+        for queue in self._queues.values():
             while queue and queue[0].future.done():
                 queue.popleft()  # its wait ended (deadline, client gone)
-            if not queue:
-                continue
-            waiter = queue[0]
-            placement = await self.try_place(waiter.req)
-            if placement is None:
-                continue
-            if waiter in queue:  # (it may have left while the replica answered)
-                queue.remove(waiter)
-            if waiter.future.done():
-                await self._give_back(placement)
-            else:
-                waiter.future.set_result(placement)
-                placed = True
-            self._turn.remove(tenant)
-            self._turn.append(tenant)
+        starving = self._starving(time.monotonic())
+        if starving is not None:
+            return await self._offer(starving)
+        placed = False
+        for tenant in list(self._turn):
+            for waiter in list(self._queues.get(tenant) or ())[:1 + SKIP_AHEAD_TRIES]:
+                if waiter.future.done():
+                    continue
+                if await self._offer(waiter):
+                    placed = True
+                    self._turn.remove(tenant)
+                    self._turn.append(tenant)
+                    break
         return placed
 
-    async def try_place(self, req: AdmissionRequest) -> Placement | None:
-        async with self._lock:
-            return await self._try_place(req)
+    async def _offer(self, waiter: _Waiter) -> bool:
+        """One try to place a waiting request; True if it was placed. A request its replicas refuse
+        outright, or that has no replica left to try, gets that answer now."""
+        try:
+            placement = await self.try_place(waiter.req)
+        except APIError as exc:
+            if not waiter.future.done():
+                waiter.future.set_exception(exc)
+            return False
+        if placement is None:
+            if not self._pool(waiter.req) and not waiter.future.done():
+                waiter.future.set_exception(RuledOut())
+            return False
+        queue = self._queues.get(waiter.req.tenant)
+        if queue is not None and waiter in queue:  # (it may have left while the replica answered)
+            queue.remove(waiter)
+        if waiter.future.done():
+            await self._give_back(placement)
+            return False
+        waiter.future.set_result(placement)
+        return True
 
-    async def _try_place(self, req: AdmissionRequest) -> Placement | None:
+    async def try_place(self, req: AdmissionRequest) -> Placement | None:
+        """A replica that granted the request a lease (or takes it without one), or None when none
+        has the room now. Replicas that fail the call are ruled out for this request."""
         cfg = self.config
         now = time.monotonic()
-        pool = [r for r in self.replicas.compatible(req.model, req.like) if r.index not in req.exclude]
+        pool = self._pool(req)
         loads = {r.index: r.routing_load(now, cfg.stale_after_s, cfg.cache_aware.slack_requests) for r in pool}
         fresh = [r for r in pool if not loads[r.index][1]]
         pool = fresh or pool  # saturated (stale) replicas only when nothing else is left
@@ -286,9 +263,10 @@ class Admission:
             if req.reserve and replica.known_identity.reservations:
                 try:
                     lease = await self.reserver.reserve(replica, req, req.route.prompt_token_ids, req.max_tokens)
-                except (aiohttp.ClientError, TimeoutError) as exc:
+                except (aiohttp.ClientError, TimeoutError, ReservationFailed) as exc:
                     self.replicas.record_failure(replica, f"reservation: {type(exc).__name__}",
                                                  decisive=isinstance(exc, aiohttp.ClientConnectorError))
+                    req.exclude.add(replica.index)
                     pool.remove(replica)
                     continue
                 if lease is None:  # its engine has no unpromised room: the next best may
@@ -299,3 +277,11 @@ class Admission:
             cached = next((s.cached_tokens for s in scores if s.index == replica.index), 0)
             return Placement(replica, lease, cached, scores)
         return None
+
+
+class RuledOut(APIError):
+    """Every replica that could serve the request has failed it or refused it as busy."""
+
+    def __init__(self) -> None:
+        super().__init__(503, "every replica that serves this model has failed this request",
+                         code="upstream_failed", headers={"Retry-After": "1"})

@@ -9,6 +9,8 @@ and its tenant's quota.
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 import itertools
 import logging
 import time
@@ -22,7 +24,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 import meshserve
-from meshserve.api.errors import APIError, bad_request, error_body
+from meshserve.api.errors import APIError, error_body
 from meshserve.api.json_body import parse, read_json
 from meshserve.api.limits import COMPLETIONS_DEFAULT_MAX_TOKENS, resolve_max_tokens
 from meshserve.api.middleware import (
@@ -34,21 +36,20 @@ from meshserve.api.middleware import (
 from meshserve.api.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
-    is_text_batch,
-    is_token_batch,
-    is_token_ids,
 )
 from meshserve.api.sse import (
     EventStreamResponse,
     JSONBytesResponse,
     cancel_on_disconnect,
 )
-from meshserve.gateway.admission import DEADLINE_HEADER, Admission, Deadline, Reserver
+from meshserve.gateway.admission import DEADLINE_HEADER, Admission, Deadline
 from meshserve.gateway.config import GatewayConfig
 from meshserve.gateway.failover import FailureProtocol
+from meshserve.gateway.intake import Tokenizing, check_capacity, check_request, check_token_ids
 from meshserve.gateway.metrics import CONTENT_TYPE, GatewayMetrics
-from meshserve.gateway.replicas import Replica, ReplicaIdentity, ReplicaSet
+from meshserve.gateway.replicas import Replica, ReplicaSet
 from meshserve.gateway.request import GatewayRequest
+from meshserve.gateway.reserver import Reserver
 from meshserve.gateway.tenants import Tenants
 from meshserve.gateway.tracing import Tracing, setup_tracing
 from meshserve.gateway.upstream import Attempt
@@ -70,10 +71,14 @@ class Gateway:
 
     async def start(self) -> None:
         cfg = self.config
-        # No pool limit: concurrency is the admission queue's and the replicas' business.
+        # Every call to a replica carries the backend key; the pool is bounded (a request beyond it
+        # waits for a connection), so no burst of requests opens connections without limit.
+        headers = {"Authorization": f"Bearer {cfg.backend_api_key}"} if cfg.backend_api_key else None
         self.session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=UPSTREAM_KEEP_ALIVE_S), raise_for_status=False)
+            connector=aiohttp.TCPConnector(limit=cfg.max_upstream_connections, keepalive_timeout=UPSTREAM_KEEP_ALIVE_S),
+            raise_for_status=False, headers=headers)
         self.replicas = ReplicaSet(cfg, self.session)
+        self.tokenizing = Tokenizing(cfg, self.session, self.replicas)
         self.metrics = GatewayMetrics(lambda: self.replicas.replicas, lambda: self.admission.waiting)
         self.reserver = Reserver(self.session, cfg)
         self.admission = Admission(cfg, self.replicas, self.policy, self.reserver,
@@ -96,32 +101,40 @@ class Gateway:
         self.policy.forget_replica(replica.index)
 
     def _breaker_opened(self, replica: Replica) -> None:
-        """No new work goes there; its leases are given up (reconciled with its ledger when it answers)."""
+        """No new work goes there; its unused leases are given up (reconciled with its ledger when it
+        answers). A running attempt keeps its own: ending it would end its request there."""
         for lease in list(replica.leases.values()):
-            asyncio.get_running_loop().create_task(self.reserver.release(replica, lease))
+            if not lease.in_use:
+                asyncio.get_running_loop().create_task(self.reserver.release(replica, lease))
 
     # ---- the request's way ----------------------------------------------------------------
     async def handle(self, request: Request, endpoint: str) -> Response:
         arrival = time.monotonic()
         request_id = request.state.request_id
         chat = endpoint.endswith("/chat/completions")
+        try:  # who asks comes first: a client without a key learns nothing, not even what is wrong
+            tenant = self.tenants.authenticate(request.headers.get("authorization", ""))
+        except APIError as exc:
+            self.metrics.rejections.labels(exc.code or str(exc.status), "unknown").inc()
+            raise
+        tenant_name = tenant.name
         raw = await read_json(request, self.config.max_body_bytes)
         req = parse(ChatCompletionRequest, raw) if chat else parse(CompletionRequest, raw)
-        tenant_name = "unknown"
         span = self.tracing.tracer.start_span(f"POST {endpoint}", context=Tracing.incoming(request.headers),
                                               attributes={"meshserve.request_id": request_id,
                                                           "gen_ai.request.model": req.model or ""})
         try:
             with self.tracing.tracer.start_as_current_span("admission", context=trace.set_span_in_context(span)):
-                tenant = self.tenants.authenticate(request.headers.get("authorization", ""))
-                tenant_name = tenant.name
+                check_request(req, self.config)  # before anything is tokenized or queued
                 deadline = Deadline.from_header(request.headers.get(DEADLINE_HEADER), self.config.max_queue_wait_s)
-                like, prompts, max_model_len = await self._tokenize(req, raw)
+                like, prompts, max_model_len = await self.tokenizing.prompts(req, raw)
+                check_token_ids(prompts, like)
                 prompt_tokens = sum(len(p) for p in prompts)
                 requested = (req.max_completion_tokens if isinstance(req, ChatCompletionRequest)
                              and req.max_completion_tokens is not None else req.max_tokens)
                 max_tokens = min(resolve_max_tokens(requested, len(p), max_model_len,
                                                     None if chat else COMPLETIONS_DEFAULT_MAX_TOKENS) for p in prompts)
+                check_capacity(self.replicas.compatible(like.model, like), prompts, max_tokens, req.n)
                 quota = prompt_tokens + max_tokens * req.n * len(prompts)
                 tenant.admit(quota)
         except APIError as exc:
@@ -136,7 +149,8 @@ class Gateway:
                              "meshserve.max_tokens": max_tokens})
         greq = GatewayRequest(request_id, endpoint, raw, tenant, like, prompts[0], prompt_tokens, max_tokens, req.n,
                               deadline, arrival, span, reservable=len(prompts) == 1,
-                              resumable=_resumable(req, len(prompts)), quota=quota)
+                              resumable=_resumable(req, len(prompts)), quota=quota,
+                              cache_salt=tenant_cache_salt(tenant.name, req.cache_salt))
         return await cancel_on_disconnect(request, self._serve(greq))
 
     async def _serve(self, greq: GatewayRequest) -> Response:
@@ -168,66 +182,23 @@ class Gateway:
             self._close(greq)
 
     def _close(self, greq: GatewayRequest) -> None:
-        greq.tenant.settle(greq.quota, greq.prompt_tokens + greq.completion_tokens)
+        greq.tenant.settle(greq.quota, _charged(greq))
         self.metrics.requests.labels(greq.outcome.split(" ")[0]).inc()
         greq.span.set_attributes({"meshserve.outcome": greq.outcome, "meshserve.attempts": greq.attempts,
                                   "meshserve.completion_tokens": greq.completion_tokens})
         greq.span.end()
 
-    async def _tokenize(self, req: CompletionRequest | ChatCompletionRequest,
-                        raw: dict) -> tuple[ReplicaIdentity, list[list[int]], int]:
-        """(identity of the replica that tokenized, token ids per prompt, its context length)."""
-        known = [r.identity for r in self.replicas.replicas if r.identity is not None]
-        if req.model is not None and known and all(identity.model != req.model for identity in known):
-            served = sorted({identity.model for identity in known})
-            raise APIError(404, f"the model {req.model!r} does not exist; this gateway serves "
-                                f"{', '.join(map(repr, served))}", param="model", code="model_not_found")
-        candidates = self.replicas.compatible(req.model)
-        if not candidates:
-            raise APIError(503, "no healthy replica serves this model now", code="no_healthy_replica",
-                           headers={"Retry-After": "2"})
-        bodies: list[dict[str, Any]] = []  # to tokenize on a replica
-        ids: list[list[int]] = []  # the prompts when they came as token ids already
-        if isinstance(req, ChatCompletionRequest):
-            bodies = [{"messages": raw["messages"], "add_generation_prompt": req.add_generation_prompt}]
-        elif isinstance(req.prompt, str):
-            bodies = [{"prompt": req.prompt}]
-        elif is_text_batch(req.prompt):
-            bodies = [{"prompt": p} for p in req.prompt]
-        elif is_token_ids(req.prompt):
-            ids = [req.prompt]
-        elif is_token_batch(req.prompt):
-            ids = list(req.prompt)
-        start = next(self._turn)
-        last_error: Exception | None = None
-        for k in range(min(2, len(candidates))):  # a replica that fails here is tried once elsewhere
-            replica = candidates[(start + k) % len(candidates)]
-            identity = replica.known_identity
-            try:
-                if not bodies:  # token ids already (or no prompt at all: `[]`)
-                    if not ids or not all(ids):
-                        raise bad_request("the prompt is empty", param="prompt", code="empty_prompt")
-                    return identity, ids, identity.max_model_len
-                results = await asyncio.gather(*(self._tokenize_on(replica, b) for b in bodies))
-                return identity, [r["tokens"] for r in results], int(results[0]["max_model_len"])
-            except (aiohttp.ClientError, TimeoutError) as exc:
-                self.replicas.record_failure(replica, f"tokenize: {type(exc).__name__}",
-                                             decisive=isinstance(exc, aiohttp.ClientConnectorError))
-                last_error = exc
-        raise APIError(503, f"no replica could tokenize the prompt ({type(last_error).__name__})",
-                       code="no_healthy_replica", headers={"Retry-After": "1"})
-
-    async def _tokenize_on(self, replica: Replica, body: dict) -> dict:
-        timeout = aiohttp.ClientTimeout(total=30, sock_connect=self.config.connect_timeout_s)
-        async with self.session.post(replica.url + "/tokenize", json=body, timeout=timeout) as resp:
-            answer: dict[str, Any] = await resp.json(content_type=None)
-            if resp.status == 200:
-                return answer
-            if resp.status >= 500:
-                raise aiohttp.ClientResponseError(resp.request_info, (), status=resp.status)
-            err = answer.get("error", {}) if isinstance(answer, dict) else {}
-            raise APIError(resp.status, err.get("message", "the prompt was refused"), param=err.get("param"),
-                           code=err.get("code"))
+    def authenticate(self, request: Request, metrics: bool = False) -> None:
+        """401 unless the request carries a client's key (any key opens every route of an open
+        gateway but /health); /metrics also takes --metrics-api-key."""
+        given = request.headers.get("authorization", "")
+        key = self.config.metrics_api_key
+        if metrics and key is not None and hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+            return
+        if metrics and key is not None and not self.tenants.has_keys:
+            raise APIError(401, "missing or invalid API key (send 'Authorization: Bearer KEY')",
+                           code="invalid_api_key")
+        self.tenants.authenticate(given)
 
     # ---- pass-through and fleet views -------------------------------------------------------
     async def forward(self, request: Request, path: str) -> Response:
@@ -270,12 +241,31 @@ class Gateway:
                 "retry_budget": round(self.protocol.budget.balance, 2), "replicas": out}
 
 
+def _charged(greq: GatewayRequest) -> int:
+    """Tokens the tenant pays for a request that ended: what was computed (its prompt, once a replica
+    took it, and what it generated), nothing when the gateway refused it itself. A whole answer cut
+    off by its client's leaving cost an unknown share of its budget: the whole budget."""
+    if greq.attempts == 0:
+        return 0
+    if greq.outcome == "cancelled" and not greq.stream:
+        return greq.quota
+    return min(greq.quota, greq.prompt_tokens + greq.completion_tokens)
+
+
+def tenant_cache_salt(tenant: str, client_salt: str | None) -> str:
+    """The cache salt the replicas get: the tenant's own scope (a client's salt can only narrow it),
+    so no tenant's prompt ever hits blocks another tenant's requests cached."""
+    key = f"meshserve-tenant\0{tenant}\0{client_salt or ''}".encode()
+    return hashlib.sha256(key).hexdigest()[:32]
+
+
 def _resumable(req: CompletionRequest | ChatCompletionRequest, num_prompts: int) -> bool:
-    """Can a continuation on another replica give the same answer (see failover.py)?"""
+    """Can a continuation on another replica give the same answer (see failover.py)? Not with stop
+    strings: text held back at the seam for one would be matched by neither attempt."""
     asks_logprobs = (req.logprobs if isinstance(req, ChatCompletionRequest)
                      else req.logprobs is not None or req.echo)
     reproducible = is_greedy(req.temperature) or req.seed is not None
-    return (bool(req.stream) and req.n == 1 and num_prompts == 1 and reproducible
+    return (bool(req.stream) and req.n == 1 and num_prompts == 1 and reproducible and not req.stop
             and not req.frequency_penalty and not req.presence_penalty and not asks_logprobs)
 
 
@@ -296,15 +286,18 @@ def build_app(gateway: Gateway) -> FastAPI:
         return await gateway.handle(request, "/v1/chat/completions")
 
     @app.get("/v1/models")
-    async def models() -> Response:
+    async def models(request: Request) -> Response:
+        gateway.authenticate(request)
         return JSONBytesResponse(gateway.models())
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:
+        gateway.authenticate(request)
         return await gateway.forward(request, "/tokenize")
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> Response:
+        gateway.authenticate(request)
         return await gateway.forward(request, "/detokenize")
 
     @app.get("/health")
@@ -320,11 +313,13 @@ def build_app(gateway: Gateway) -> FastAPI:
         return JSONBytesResponse(state)
 
     @app.get("/metrics")
-    async def metrics() -> Response:
+    async def metrics(request: Request) -> Response:
+        gateway.authenticate(request, metrics=True)
         return Response(gateway.metrics.render(), media_type=CONTENT_TYPE)
 
     @app.get("/gateway/replicas")
-    async def fleet() -> Response:
+    async def fleet(request: Request) -> Response:
+        gateway.authenticate(request)
         return JSONBytesResponse(gateway.fleet())
 
     return app

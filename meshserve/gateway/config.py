@@ -25,6 +25,7 @@ class GatewayConfig:
     breaker_cooldown_s: float = 1.0  # open -> half-open (doubles on each failed half-open probe)
     breaker_max_cooldown_s: float = 30.0
     connect_timeout_s: float = 2.0
+    reservation_timeout_s: float = 2.0  # a replica that does not grant or refuse by then has failed the call
     first_token_timeout_s: float = 300.0  # an attempt with no output for this long has failed
     # Failure protocol.
     retry_budget_ratio: float = 0.1  # retries allowed per request routed, fleet-wide
@@ -34,8 +35,16 @@ class GatewayConfig:
     lease_ttl_s: float = 10.0  # an unused reservation ends this long after it was granted
     max_queued: int = 1024  # requests waiting for admission; beyond: 429
     max_queue_wait_s: float = 30.0  # the deadline of a request that names none
+    # A waiting request that did not fit may be passed by later ones that do, until it has waited
+    # this long; then nothing passes it, so the capacity that frees goes to it.
+    skip_ahead_age_s: float = 5.0
+    max_prompts_per_request: int = 64  # prompts in one /v1/completions batch, checked before tokenizing
+    tokenize_concurrency: int = 8  # /tokenize calls one request's prompts may have open at once
+    max_upstream_connections: int = 512  # the pool to the replicas; more requests wait for a connection
     tenants_file: str | None = None
     api_key: str | None = None  # without a tenants file: one key for everyone (or none)
+    backend_api_key: str | None = None  # sent to the replicas (their --api-key)
+    metrics_api_key: str | None = None  # opens /metrics (beside the clients' keys)
     # Observability.
     trace_file: str | None = None  # spans as JSON lines
     otlp_endpoint: str | None = None  # spans over OTLP/HTTP
@@ -69,7 +78,14 @@ class GatewayConfig:
         check_range("--max-queued", self.max_queued, 1, 1_000_000)
         check_range("--max-queue-wait", self.max_queue_wait_s, 0.01, 86400)
         check_range("--max-body-bytes", self.max_body_bytes, 1024, 1 << 30)
+        check_range("--reservation-timeout", self.reservation_timeout_s, 0.05, 600)
+        check_range("--skip-ahead-age", self.skip_ahead_age_s, 0, 86400)
+        check_range("--max-prompts-per-request", self.max_prompts_per_request, 1, 4096, integer=True)
+        check_range("--tokenize-concurrency", self.tokenize_concurrency, 1, 1024, integer=True)
+        check_range("--max-upstream-connections", self.max_upstream_connections, 1, 100_000, integer=True)
         if self.api_key is not None and self.tenants_file is not None:
             raise ValueError("give --api-key or --tenants, not both (tenants carry their own keys)")
-        if self.api_key is not None and not self.api_key.strip():
-            raise ValueError("--api-key must not be empty")
+        for name, key in (("--api-key", self.api_key), ("--backend-api-key", self.backend_api_key),
+                          ("--metrics-api-key", self.metrics_api_key)):
+            if key is not None and not key.strip():
+                raise ValueError(f"{name} must not be empty")

@@ -27,18 +27,14 @@ import aiohttp
 from opentelemetry import trace
 
 from meshserve.api.errors import APIError, error_body
+from meshserve.api.limits import MAX_CHAR_TOKENS
 from meshserve.api.sse import DONE, sse_event
-from meshserve.gateway.admission import (
-    Admission,
-    AdmissionRequest,
-    Deadline,
-    Placement,
-    Reserver,
-)
+from meshserve.gateway.admission import Admission, AdmissionRequest, Deadline, Placement, RuledOut
 from meshserve.gateway.config import GatewayConfig
 from meshserve.gateway.metrics import GatewayMetrics
 from meshserve.gateway.replicas import ReplicaSet
 from meshserve.gateway.request import GatewayRequest
+from meshserve.gateway.reserver import Reserver
 from meshserve.gateway.stream_shaper import StreamShaper
 from meshserve.gateway.tracing import Tracing
 from meshserve.gateway.upstream import (
@@ -98,7 +94,7 @@ class FailureProtocol:
                              greq.like.hash_root)
         areq = AdmissionRequest(greq.tenant.name, greq.like.model, greq.like, route, max_tokens, greq.n,
                                 greq.request_id, str(greq.attempts + 1), deadline or greq.deadline,
-                                reserve=greq.reservable, exclude=set(greq.exclude))
+                                reserve=greq.reservable, exclude=set(greq.exclude), cache_salt=greq.cache_salt)
         with self.tracing.tracer.start_as_current_span("queue", context=trace.set_span_in_context(greq.span)) as span:
             started = time.monotonic()
             placement = await self.admission.admit(areq)
@@ -120,8 +116,10 @@ class FailureProtocol:
         headers = {"X-Request-Id": greq.request_id, **self.tracing.outgoing(span)}
         if placement.lease is not None:
             headers[RESERVATION_HEADER] = placement.lease.lease_id
-        if greq.resumable and self.config.resume_streams:
-            headers[TOKEN_IDS_HEADER] = "1"
+            placement.lease.in_use = True
+        # Token ids in every chunk: what a resumed stream prefills, and the tokens a stream has cost
+        # even when its client leaves before the usage chunk (the shaper strips them).
+        headers[TOKEN_IDS_HEADER] = "1"
         self.metrics.routed.labels(replica.label).inc()
         if placement.cached_tokens:
             self.metrics.index_hits.labels(replica.label).inc()
@@ -165,12 +163,19 @@ class FailureProtocol:
         """An attempt that has produced output (a stream) or its whole answer (otherwise)."""
         self.budget.deposit()
         retried = False
+        last: AttemptFailed | None = None
         while True:
-            placement = await self._place(greq, greq.prompt_ids, greq.max_tokens)
+            try:
+                placement = await self._place(greq, greq.prompt_ids, greq.max_tokens)
+            except RuledOut:  # every replica left has failed it, or was busy: say which, now
+                if last is None:
+                    raise
+                raise self._unavailable(greq, last) from None
             body = self._first_body(greq)
             try:
                 return await self._attempt(greq, placement, greq.endpoint, body, greq.prompt_tokens)
             except AttemptFailed as failure:
+                last = failure
                 if failure.client_error:
                     raise APIError(failure.status, (failure.body or {}).get("error", {}).get("message", str(failure)),
                                    code=(failure.body or {}).get("error", {}).get("code"),
@@ -201,6 +206,7 @@ class FailureProtocol:
 
     def _first_body(self, greq: GatewayRequest) -> dict:
         body = dict(greq.body)
+        body["cache_salt"] = greq.cache_salt  # the tenant's, never the client's own
         if greq.stream:  # the gateway always wants the usage (quota settlement); the client may not
             body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
         return body
@@ -215,6 +221,9 @@ class FailureProtocol:
             self._failed(attempt, AttemptFailed("the answer broke off", reason="stream_broken"))
             raise APIError(502, "the replica's answer broke off", code="upstream_failed",
                            request_id=greq.request_id) from None
+        except BaseException:  # the client left while the answer was read: end the attempt with it
+            self._abandon(attempt, "cancelled")
+            raise
         greq.completion_tokens = (answer.get("usage") or {}).get("completion_tokens", 0)
         self._finished(attempt)
         return answer
@@ -251,7 +260,6 @@ class FailureProtocol:
                     attempt = resumed
                     for out in await self._gap(greq, shaper, attempt):
                         yield sse_event(out)
-            greq.completion_tokens = shaper.completion_tokens
         finally:
             if not attempt.ended:  # the client left mid-stream
                 greq.outcome = "cancelled"
@@ -277,6 +285,7 @@ class FailureProtocol:
             if name in greq.body:
                 body[name] = greq.body[name]
         body["min_tokens"] = max(0, int(greq.body.get("min_tokens") or 0) - len(sent))
+        body["cache_salt"] = greq.cache_salt
         try:
             # The client is mid-stream: the continuation waits for room like a new request would.
             placement = await self._place(greq, prompt, remaining, Deadline.after(self.config.max_queue_wait_s))
@@ -291,14 +300,25 @@ class FailureProtocol:
         return attempt
 
     async def _gap(self, greq: GatewayRequest, shaper: StreamShaper, attempt: Attempt) -> list[dict]:
-        """Text of tokens already sent that the failed replica had not shown yet (held back for a
-        stop string or an unfinished character): the continuation treats those tokens as prompt."""
-        try:
-            async with self.session.post(attempt.replica.url + "/detokenize",
-                                         json={"tokens": shaper.sent_ids}) as resp:
-                full = (await resp.json(content_type=None))["prompt"] if resp.status == 200 else None
-        except (aiohttp.ClientError, ValueError, TimeoutError, KeyError):
-            full = None
+        """Text of tokens already sent that the failed replica had not shown yet (held back for an
+        unfinished character): the continuation treats those tokens as prompt. A character cut at the
+        seam is left to the continuation, which renders its last few prompt tokens again with its
+        first output (engine/detokenizer.py): the text here stops where theirs starts."""
+        sent = shaper.sent_ids
+        keep = len(sent)
+        full = await self._detokenize(attempt, sent)
+        while full is not None and full.endswith("\ufffd") and keep > 0 and len(sent) - keep < MAX_CHAR_TOKENS:
+            keep -= 1
+            full = await self._detokenize(attempt, sent[:keep])
         if full is None or not full.startswith(shaper.text) or len(full) == len(shaper.text):
             return []
         return [shaper.text_chunk(full[len(shaper.text):])]
+
+    async def _detokenize(self, attempt: Attempt, ids: list[int]) -> str | None:
+        if not ids:
+            return ""
+        try:
+            async with self.session.post(attempt.replica.url + "/detokenize", json={"tokens": ids}) as resp:
+                return str((await resp.json(content_type=None))["prompt"]) if resp.status == 200 else None
+        except (aiohttp.ClientError, ValueError, TimeoutError, KeyError):
+            return None

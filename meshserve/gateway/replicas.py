@@ -1,11 +1,14 @@
 """The replicas behind the gateway: who they are, whether they are healthy, and how loaded.
 
-Health is active and passive. Every replica is probed (`GET /health`) each `probe_interval_s`;
-requests report connection errors, timeouts and 5xx answers. A circuit breaker per replica opens
-after `breaker_failures` consecutive failures (at once on a refused connection: nothing listens
-there); while open, the replica gets no new work. After a cooldown the breaker is half-open and the
-*next probe* decides: a real health check, so a healthy replica always closes its breaker again, and
-no client request is ever the test. A 429 from a replica is back-pressure, never a failure.
+Health is active and passive. Every replica is probed (`GET /health`, which a meshserve replica
+answers through its engine loop, so a wedged engine behind a live front end fails it) each
+`probe_interval_s`; requests report connection errors, timeouts and 5xx answers. A circuit breaker
+per replica opens after `breaker_failures` consecutive failures (at once on a refused connection:
+nothing listens there); a passing probe does not erase the failures requests saw, only a request
+that succeeds does. While open, the replica gets no new work. After a cooldown the breaker is
+half-open and the *next probe* decides: a real health check, so a healthy replica always closes its
+breaker again, and no client request is ever the test. A 429 from a replica is back-pressure, and
+any other 4xx the client's mistake: neither is a failure of the replica.
 
 Load is known two ways. The gateway's own ledger is exact for what it sent (in flight, prefill
 still queued, decoding), updated at dispatch, first token and finish. Replicas report their own
@@ -97,6 +100,7 @@ class ReplicaIdentity:
     tokenizer_hash: str | None = None
     chat_template_hash: str | None = None
     reservations: bool = False  # it answers POST /v1/reservations
+    vocab_size: int | None = None  # token ids a prompt may hold: [0, vocab_size)
 
     @property
     def compat_key(self) -> tuple:
@@ -125,6 +129,7 @@ class LeaseRecord:
     blocks: int  # promised blocks, pins included
     request_id: str
     orphaned: bool = False  # its release could not be confirmed: counted until reconciled
+    in_use: bool = False  # an attempt that is running draws on it (a breaker opening leaves it be)
 
 
 @dataclass
@@ -253,11 +258,11 @@ class ReplicaSet:
                 replica.restarts = None  # a new process may answer here later, with an empty cache
                 self._cache_lost(replica)
             return
-        if replica.breaker.state is not BreakerState.CLOSED:
+        if replica.breaker.state is not BreakerState.CLOSED:  # the half-open trial passed
             replica.breaker.record_success()
             await self.reconcile_leases(replica)
-        else:
-            replica.breaker.consecutive_failures = 0
+        # A closed breaker keeps its count: a replica whose /health answers while its requests fail
+        # must still open it (only a request that succeeds there resets the count).
         if any(lease.orphaned for lease in replica.leases.values()):
             await self.reconcile_leases(replica)
 
@@ -274,7 +279,7 @@ class ReplicaSet:
             model=str(card["id"]), max_model_len=int(card.get("max_model_len") or 0),
             revision=card.get("revision"), block_size=card.get("block_size"),
             tokenizer_hash=card.get("tokenizer_hash"), chat_template_hash=card.get("chat_template_hash"),
-            reservations=bool(info.get("reservations")))
+            reservations=bool(info.get("reservations")), vocab_size=(info.get("model") or {}).get("vocab_size"))
 
     def _cache_lost(self, replica: Replica) -> None:
         replica.leases.clear()

@@ -30,8 +30,9 @@ class GatewayRequest:
     quota: int = 0  # tokens taken from the tenant's bucket
     completion_tokens: int = 0
     outcome: str = "ok"
-    attempts: int = 0
+    attempts: int = 0  # sent to a replica this many times (0: the gateway refused it itself)
     exclude: set[int] = field(default_factory=set)
+    cache_salt: str = ""  # its prefix-cache scope on the replicas (its tenant's)
 
     @property
     def stream(self) -> bool:

@@ -132,7 +132,15 @@ class Tenants:
             unknown = set(entry) - known
             if unknown:
                 raise ValueError(f"--tenants {path}: unknown key(s) {sorted(unknown)} (known: {sorted(known)})")
+            if not entry.get("api_keys"):  # a tenant nobody can authenticate as: a mistake in the file
+                raise ValueError(f"--tenants {path}: tenant {entry.get('name')!r} has no api_keys; "
+                                 "give each tenant at least one key")
         return cls([TenantConfig(**entry) for entry in entries])
+
+    @property
+    def has_keys(self) -> bool:
+        """Clients must present a key (a tenants file, or --api-key)."""
+        return bool(self._keys) or self._open_key is not None
 
     def authenticate(self, authorization: str) -> Tenant:
         """The tenant whose key the `Authorization: Bearer KEY` header carries, or 401."""

@@ -23,6 +23,7 @@ from meshserve.gateway.replicas import Replica
 
 # Sent with each attempt: the lease, and (for resumable streams) token ids in every chunk.
 RESERVATION_HEADER = "X-Reservation-Id"
+_NOT_REPLICA_FAULTS = ("reservation_released", "stream_backlog")
 TOKEN_IDS_HEADER = "X-Meshserve-Token-Ids"
 
 
@@ -167,8 +168,12 @@ async def events(attempt: Attempt, resp: aiohttp.ClientResponse) -> AsyncIterato
                 return
             event = json.loads(data)
             if "error" in event:
-                code = (event["error"] or {}).get("code") if isinstance(event["error"], dict) else None
-                raise AttemptFailed(f"the replica's stream failed ({code})", reason="stream_error")
+                err = event["error"] if isinstance(event["error"], dict) else {}
+                # The engine ended it for a cause outside the replica (its lease was released, its
+                # reader fell behind): not a fault of the replica.
+                cause = err.get("cause")
+                raise AttemptFailed(f"the replica's stream failed ({err.get('code')}: {cause})", reason="stream_error",
+                                    fault=cause not in _NOT_REPLICA_FAULTS)
             yield event
     except (aiohttp.ClientError, TimeoutError) as exc:
         raise AttemptFailed(f"the stream broke: {type(exc).__name__}", reason="stream_broken") from None

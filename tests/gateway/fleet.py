@@ -91,11 +91,12 @@ class Fleet:
 
 
 # ---- reading the replicas' own counters -------------------------------------------------------
-def scrape(url: str) -> dict[str, float]:
+def scrape(url: str, key: str | None = None) -> dict[str, float]:
     """Prometheus text -> {'name{labels}': value} (sums kept as they are)."""
     import urllib.request
 
-    with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    with urllib.request.urlopen(urllib.request.Request(url + "/metrics", headers=headers), timeout=10) as resp:
         text = resp.read().decode()
     out: dict[str, float] = {}
     for line in text.splitlines():
@@ -130,15 +131,16 @@ def snapshots(fleet: Fleet) -> list[Snapshot]:
     return [Snapshot.of(u) for u in fleet.urls]
 
 
-def get_json(url: str) -> dict:
+def get_json(url: str, key: str | None = None) -> dict:
     import urllib.request
 
-    with urllib.request.urlopen(url, timeout=10) as resp:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=10) as resp:
         return json.loads(resp.read())
 
 
-def reservations(url: str) -> dict:
-    return get_json(url + "/v1/reservations")
+def reservations(url: str, key: str | None = None) -> dict:
+    return get_json(url + "/v1/reservations", key)
 
 
 def wait_until(predicate, timeout_s: float, what: str, interval_s: float = 0.1):

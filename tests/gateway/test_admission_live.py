@@ -62,7 +62,7 @@ def test_token_quota_answers_429_with_retry_after(tenants_gateway):
         assert status == 429 and body["error"]["code"] == "quota_exceeded", body
         assert int(headers["Retry-After"]) >= 1
     assert nokey[0] == 401 and nokey[1]["error"]["code"] == "invalid_api_key"
-    metrics = scrape(tenants_gateway.url)
+    metrics = scrape(tenants_gateway.url, "sk-tight")
     assert metrics['meshserve:gateway_rejections_total{reason="quota_exceeded",tenant="tight"}'] >= 2
 
 
