@@ -74,7 +74,8 @@ def _valid(rng: random.Random, tenant_key: str) -> tuple[str, dict, dict]:
             "n": rng.choice([1, 1, 2]), "stream": rng.random() < 0.5}
     if rng.random() < 0.3:
         body["logprobs"] = rng.randrange(0, 5)
-    return "/v1/completions", {"Authorization": f"Bearer {tenant_key}"}, {k: v for k, v in body.items() if v is not None}
+    sent = {k: v for k, v in body.items() if v is not None}
+    return "/v1/completions", {"Authorization": f"Bearer {tenant_key}"}, sent
 
 
 async def _send(s: aiohttp.ClientSession, base: str, path: str, headers: dict, body) -> tuple[int, object]:
