@@ -265,3 +265,85 @@ def test_the_gateway_imports_no_engine():
             "'meshserve.worker', 'meshserve.models', 'meshserve.engine.llm_engine', 'meshserve.engine.scheduler'))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.strip() == "[]", out.stdout
+
+
+# ---- what a request is charged, what may resume, what may pass in the queue ---------------------
+def _greq(**kw):
+    from types import SimpleNamespace
+
+    base = {"attempts": 1, "outcome": "ok", "stream": True, "quota": 100, "prompt_tokens": 10,
+            "completion_tokens": 5}
+    return SimpleNamespace(**{**base, **kw})
+
+
+def test_a_request_is_charged_what_it_cost_and_nothing_the_gateway_refused():
+    from meshserve.gateway.app import _charged
+
+    assert _charged(_greq()) == 15  # its prompt, and what it generated
+    assert _charged(_greq(attempts=0, outcome="error 503")) == 0  # never reached a replica
+    assert _charged(_greq(outcome="cancelled", stream=True, completion_tokens=3)) == 13  # left mid-stream
+    assert _charged(_greq(outcome="cancelled", stream=False)) == 100  # its share unknown: the whole budget
+    assert _charged(_greq(completion_tokens=500)) == 100  # never more than it took
+
+
+def test_streams_with_stop_strings_are_not_resumed():
+    from meshserve.api.protocol import CompletionRequest
+    from meshserve.gateway.app import _resumable
+
+    plain = {"prompt": "Hi", "stream": True, "temperature": 0}
+    assert _resumable(CompletionRequest(**plain), 1)
+    assert not _resumable(CompletionRequest(**plain, stop=["\n"]), 1)
+    assert not _resumable(CompletionRequest(**{**plain, "temperature": 0.8}), 1)
+
+
+@pytest.mark.parametrize("prompt_len,max_tokens,n,block,fewest", [
+    (1, 1, 1, 16, 1), (16, 16, 1, 16, 2), (17, 15, 4, 16, 1 + 4 * 1), (100, 156, 128, 16, 6 + 128 * 10)])
+def test_the_fewest_blocks_a_request_could_be_granted(prompt_len, max_tokens, n, block, fewest):
+    from meshserve.gateway.intake import _fewest_blocks
+
+    assert _fewest_blocks(prompt_len, max_tokens, n, block) == fewest
+
+
+def test_a_request_that_does_not_fit_is_passed_until_it_has_waited_too_long():
+    """Tenant a's big request waits; a's small ones behind it are placed while it is young, and once
+    it is older than the age bound nothing is placed before it."""
+    identity = ReplicaIdentity("m", 256)
+    replica = _replica()
+    replica.identity = identity
+
+    async def scenario(age_bound):
+        admission = Admission(GatewayConfig(["http://127.0.0.1:1"], skip_ahead_age_s=age_bound), _Fleet(replica),
+                              None, None)
+        free = {"blocks": 3}
+        placed = []
+
+        async def try_place(req):
+            if req.max_tokens > free["blocks"]:
+                return None
+            free["blocks"] -= req.max_tokens
+            placed.append(req.request_id)
+            return Placement(replica, None)
+
+        admission.try_place = try_place
+        admission.start()
+
+        def req(rid, need):
+            return AdmissionRequest("a", "m", identity, RouteRequest([1]), need, 1, rid, "1", Deadline.after(5))
+
+        free["blocks"] = 0
+        tasks = [asyncio.create_task(admission.admit(req("big", 5)))]
+        await asyncio.sleep(0.05)
+        tasks += [asyncio.create_task(admission.admit(req(f"small{k}", 1))) for k in range(3)]
+        await asyncio.sleep(0.2)
+        free["blocks"] = 3
+        admission.capacity_changed()
+        await asyncio.sleep(0.3)
+        first = list(placed)
+        free["blocks"] = 5
+        admission.capacity_changed()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await admission.stop()
+        return first
+
+    assert asyncio.run(scenario(600.0)) == ["small0", "small1", "small2"]  # young: the small ones pass
+    assert asyncio.run(scenario(0.0)) == []  # starving at once: the capacity is kept for it
