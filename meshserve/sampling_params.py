@@ -1,7 +1,9 @@
 """SamplingParams: how one request's tokens are chosen and when it stops. Validated on creation."""
 from __future__ import annotations
 
+import json as json_lib
 from dataclasses import dataclass, fields
+from typing import Any
 
 from meshserve.utils.checks import check_range
 
@@ -12,6 +14,51 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
 GREEDY_BELOW = 1e-5  # temperatures under this are greedy
+# A constraint is compiled into a grammar: its text is bounded like a request body's parts.
+MAX_CONSTRAINT_CHARS = 64 * 1024
+MAX_CHOICES = 256
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """What the output must match (vLLM's names): exactly one of a JSON schema (`json`), any JSON
+    object (`json_object`), a regular expression, a list of choices, an EBNF/Lark grammar, or a
+    structural tag (llguidance's JSON form). Compiled once per distinct constraint (structured/)."""
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | None = None
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+                 if getattr(self, name) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError("structured_outputs must set exactly one of json, regex, choice, grammar, "
+                             f"json_object, structural_tag; got {', '.join(given) or 'none'}")
+        choice = self.choice
+        if choice is not None and not (0 < len(choice) <= MAX_CHOICES and all(isinstance(c, str) for c in choice)):
+            raise ValueError(f"structured_outputs.choice must be 1 to {MAX_CHOICES} strings")
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            raise ValueError("structured_outputs.json must be a JSON schema (an object, or its text)")
+        if len(self.text) > MAX_CONSTRAINT_CHARS:
+            raise ValueError(f"structured_outputs.{self.kind} is longer than {MAX_CONSTRAINT_CHARS} characters")
+
+    @property
+    def kind(self) -> str:
+        return next(name for name in ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+                    if getattr(self, name) not in (None, False))
+
+    @property
+    def text(self) -> str:
+        """The constraint as text (a schema as canonical JSON): with `kind`, its identity."""
+        value = getattr(self, self.kind)
+        if self.kind == "json_object":
+            return ""
+        if isinstance(value, (dict, list)):
+            return json_lib.dumps(value, sort_keys=True, separators=(",", ":"))
+        return str(value)
 
 
 @dataclass
@@ -33,6 +80,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         check_range("n", self.n, 1, 128, integer=True)
@@ -95,5 +143,7 @@ def is_greedy(temperature: float | None) -> bool:
 
 
 # Fields the HTTP API takes under the same names and passes on as they are; each endpoint resolves
-# n, max_tokens (the room the context leaves) and logprobs (completions and chat name it differently).
-API_PASSTHROUGH_FIELDS = tuple(f.name for f in fields(SamplingParams) if f.name not in ("n", "max_tokens", "logprobs"))
+# n, max_tokens (the room the context leaves), logprobs (completions and chat name it differently)
+# and structured_outputs (also from OpenAI's response_format, and from tool_choice).
+API_PASSTHROUGH_FIELDS = tuple(f.name for f in fields(SamplingParams)
+                               if f.name not in ("n", "max_tokens", "logprobs", "structured_outputs"))

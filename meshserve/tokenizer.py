@@ -14,7 +14,7 @@ _GGUF_SPECIAL_TYPES = (3, 4)
 
 
 def _render_template(template: str, messages: list[dict[str, Any]], add_generation_prompt: bool,
-                     **extra: str) -> str:
+                     **extra: Any) -> str:
     from jinja2.exceptions import TemplateError
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -52,6 +52,10 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def backend_json(self) -> str:
+        """The tokenizer in the `tokenizers` library's JSON form (what llguidance reads)."""
+        return str(self._tok.to_str())
+
     def identity(self) -> str:
         """Everything that decides token ids: the vocabulary, merges, pre-tokenizer and BOS rule."""
         return f"{self._tok.to_str()}|bos={self.bos_token}|add_bos={self.add_bos}"
@@ -59,13 +63,16 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         return self._tok.id_to_token(token_id)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None) -> str:
+        """`tools`: the functions the answer may call, as Hugging Face templates take them (a list of
+        `{"type": "function", "function": {...}}`); None, as there, when there are none."""
         if not self.chat_template:
             raise ValueError("this model has no chat template; use a completion prompt instead")
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or "role" not in m or "content" not in m:
                 raise ValueError(f"messages[{i}] must be an object with 'role' and 'content'")
-        return _render_template(self.chat_template, messages, add_generation_prompt,
+        return _render_template(self.chat_template, messages, add_generation_prompt, tools=tools,
                                 bos_token=self.bos_token or "", eos_token=self.eos_token or "")
 
     # ---- construction -------------------------------------------------------------

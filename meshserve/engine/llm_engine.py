@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import sys
 import time
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from meshserve.config import EngineConfig
@@ -25,10 +26,11 @@ from meshserve.engine.messages import (
 from meshserve.engine.output import EngineRequest
 from meshserve.engine.reservations import LeaseDesk
 from meshserve.engine.scheduler import Scheduler, SchedulerOutput
-from meshserve.engine.sequence import Sequence
+from meshserve.engine.sequence import Sequence, SequenceStatus
 from meshserve.engine.step_timeline import StepTimeline
 from meshserve.models.loader import resolve_model
 from meshserve.sampling_params import SamplingParams
+from meshserve.structured.matchers import StructuredOutputs
 from meshserve.tokenizer import Tokenizer
 from meshserve.worker.executor import WorkerFailure
 from meshserve.worker.factory import make_executor
@@ -81,6 +83,7 @@ class LLMEngine:
         self.requests: dict[str, EngineRequest] = {}
         self._ended_between_steps: list[RequestDelta] = []
         self.desk = LeaseDesk(self.block_manager, self.max_model_len, lambda rid: rid in self.requests)
+        self.structured = StructuredOutputs(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self.seq_to_request: dict[int, EngineRequest] = {}
         self._finished_seq_ids: list[int] = []
         self.num_prompt_tokens = 0
@@ -123,7 +126,10 @@ class LLMEngine:
             raise ValueError(f"prompt is {len(ids)} tokens; it must be shorter than max_model_len "
                              f"({self.max_model_len}) to leave room for at least one generated token")
         arrival = arrival_time if arrival_time is not None else time.monotonic()
-        seqs = [Sequence(request_id, i, ids, params, arrival, cache_salt) for i in range(params.n)]
+        constraint = params.structured_outputs
+        # The ranks sample constrained rows by the mask each step carries: they need no constraint.
+        seq_params = replace(params, structured_outputs=None) if constraint is not None else params
+        seqs = [Sequence(request_id, i, ids, seq_params, arrival, cache_salt) for i in range(params.n)]
         if lease_id is not None:
             self.desk.reconcile()
             max_new = min(params.max_tokens, self.max_model_len - len(ids)) if params.max_tokens is not None \
@@ -132,10 +138,15 @@ class LLMEngine:
         state = EngineRequest(request_id, ids, params, self.tokenizer, arrival, seqs)
         state.lease_id = lease_id
         state.eos_token_ids = () if params.ignore_eos else self.eos_token_ids
+        if constraint is not None:  # scheduled once its parsers are compiled (off the step loop)
+            self.structured.hold(state, constraint)
         self.requests[request_id] = state
         for s in seqs:
             self.seq_to_request[s.seq_id] = state
-            self.scheduler.add(s)
+            if constraint is None:
+                self.scheduler.add(s)
+            else:
+                s.status = SequenceStatus.HELD
         return ids
 
     def abort_request(self, request_id: str) -> None:
@@ -164,6 +175,8 @@ class LLMEngine:
     def _retire(self, state: EngineRequest, now: float) -> None:
         state.metrics.finished_time = now
         del self.requests[state.request_id]
+        if state.params.structured_outputs is not None:
+            self.structured.release(state)
         if state.lease_id is not None:  # completion, abort or failure: the lease ends with it
             self.block_manager.release(state.lease_id)
         for seq in state.seqs:
@@ -179,7 +192,25 @@ class LLMEngine:
         finish_reason "error"; its blocks are freed and none of them stays in the prefix cache. A dead
         rank (WorkerFailure) is not contained: the executor is gone, so the engine is too."""
         ended, self._ended_between_steps = self._ended_between_steps, []
-        return ended + self._step()
+        return ended + self._admit_constrained() + self._step()
+
+    def _admit_constrained(self) -> list[RequestDelta]:
+        """Constrained requests whose parsers are compiled join the scheduler (one whose constraint
+        failed to compile ends with why). With nothing else to run, wait briefly for a compile."""
+        if not self.structured.holding:
+            return []
+        idle = not self.scheduler.has_unfinished()
+        failed = []
+        for state, why in self.structured.ready(wait_s=0.05 if idle else 0.0):
+            if why is not None:
+                state.error, state.error_code = why, ErrorCode.STEP_FAILED
+                self._finish_request(state, "error")
+                if (delta := state.take_delta()) is not None:
+                    failed.append(delta)
+                continue
+            for seq in state.seqs:
+                self.scheduler.add(seq)
+        return failed
 
     def _step(self) -> list[RequestDelta]:
         t0 = time.perf_counter()
@@ -232,6 +263,9 @@ class LLMEngine:
 
     def _step_input(self, sched: SchedulerOutput) -> StepInput:
         seqs = []
+        constrained = [i.seq for i in sched.scheduled if i.completes and self.structured.constrained(i.seq)]
+        masks = dict(zip((s.seq_id for s in constrained), self.structured.fill_masks(constrained))) \
+            if constrained else {}
         for item in sched.scheduled:
             seq = item.seq
             sample = item.completes
@@ -245,7 +279,7 @@ class LLMEngine:
                 seq.seq_id, seq.token_ids[item.start:item.start + item.num_tokens], item.start,
                 list(seq.block_table), sample, p if sample else None,
                 seed_key=(hash((p.seed, seq.index)) & 0x7FFFFFFF) if p.seed is not None else 0,
-                history=history))
+                history=history, allowed=masks.get(seq.seq_id)))
         finished, self._finished_seq_ids = self._finished_seq_ids, []
         return StepInput(seqs, finished)
 
@@ -289,6 +323,8 @@ class LLMEngine:
         may_stop = seq.num_output_tokens >= p.min_tokens
         if may_stop and (token in p.stop_ids or token in state.eos_token_ids):
             reason, stop_reason = "stop", (token if token in p.stop_ids else None)
+        elif self.structured.constrained(seq) and self.structured.advance(seq, token):
+            reason = "stop"  # the output is complete: its constraint admits no more tokens
         elif p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             reason = "length"
         sample = state.samples[seq.index]
@@ -348,6 +384,7 @@ class LLMEngine:
         if self.config.profile and self.timeline.steps:
             print(self.timeline.table(), file=sys.stderr)
         self.timeline.close()
+        self.structured.close()
         self.executor.shutdown()
 
 

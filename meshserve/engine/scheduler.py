@@ -59,6 +59,7 @@ class Scheduler:
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:

@@ -14,6 +14,7 @@ _ids = itertools.count()
 
 
 class SequenceStatus(enum.Enum):
+    HELD = "held"  # not in the scheduler yet (its structured-output parser is being compiled)
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"

@@ -94,6 +94,19 @@ def _argmax(logits: torch.Tensor) -> torch.Tensor:
     return cpu_kernels.argmax(logits) if cpu_kernels.usable(logits) and logits.is_contiguous() else logits.argmax(-1)
 
 
+def _mask(logits: torch.Tensor, allowed: list[bytes | None]) -> torch.Tensor:
+    """The logits with every token a constrained row may not take at -inf (other rows untouched)."""
+    rows = [r for r, m in enumerate(allowed) if m is not None]
+    words = torch.frombuffer(bytearray(b"".join(m for m in allowed if m is not None)), dtype=torch.int32)
+    words = words.view(len(rows), -1).to(logits.device)
+    bits = (words.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32, device=logits.device)) & 1
+    keep = bits.view(len(rows), -1)[:, :logits.shape[1]].bool()
+    index = to_device(rows, torch.long, logits.device)
+    out = logits.clone()
+    out[index] = logits[index].masked_fill(~keep, float("-inf"))
+    return out
+
+
 class Sampler:
     def __init__(self, seed: int = 0, device: torch.device | str = "cpu"):
         self.device = torch.device(device)
@@ -128,15 +141,23 @@ class Sampler:
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, seq_ids: list[int], params: list[SamplingParams],
-                 seed_keys: list[int], histories: list | None = None) -> SamplerOutput:
+                 seed_keys: list[int], histories: list | None = None,
+                 allowed: list[bytes | None] | None = None) -> SamplerOutput:
         """`histories[r]`: (prompt ids, output ids) of a penalized row whose state this sampler does
-        not hold yet (None otherwise); later steps need none."""
+        not hold yet (None otherwise); later steps need none. `allowed[r]`: the token mask of a
+        constrained row (structured outputs), None for the others, which are left as they are."""
         b, v = logits.shape
         want_lp = [p.logprobs for p in params]
+        masks = allowed if allowed is not None and any(m is not None for m in allowed) else None
         if all(p.greedy and not p.has_penalties for p in params) and not any(n is not None for n in want_lp):
+            if masks is not None:
+                logits = _mask(logits, masks)
             return SamplerOutput(_argmax(logits).tolist(), [None] * b)  # the argmax of the logits as computed
         logits = logits.float()
+        # Logprobs are the model's own distribution's, before a constraint and the penalties.
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(n is not None for n in want_lp) else None
+        if masks is not None:
+            logits = _mask(logits, masks)
         penalized = any(p.has_penalties for p in params)
         if penalized:
             new = {sid: h for sid, h in zip(seq_ids, histories or [None] * b) if h is not None}

@@ -261,4 +261,4 @@ class ModelRunner:
             assert s.params is not None, "the engine sends the params of every sequence that samples"
             params.append(s.params)
         return self.sampler(logits, [s.seq_id for s in sampling], params, [s.seed_key for s in sampling],
-                            [s.history for s in sampling])
+                            [s.history for s in sampling], [s.allowed for s in sampling])

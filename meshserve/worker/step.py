@@ -26,6 +26,9 @@ class SeqStep:
     # (prompt, output) ids of a penalized sequence, the first time it samples (the sampling rank keeps
     # its counts from then on).
     history: tuple[list[int], list[int]] | None = None
+    # The tokens a constrained sequence may sample next (structured outputs): a bit per token id,
+    # little-endian 32-bit words; None for an unconstrained one.
+    allowed: bytes | None = None
 
 
 @dataclass
