@@ -23,21 +23,35 @@ def completion_choice(index: int, text: str, logprobs: Any = None, finish_reason
 
 
 def chat_delta_choice(index: int, content: str | None, logprobs: Any = None, finish_reason: str | None = None,
-                      token_ids: list[int] | None = None, role: str | None = None) -> dict[str, Any]:
-    """A streamed chat choice; an empty `content` is left out of the delta unless `role` opens it."""
+                      token_ids: list[int] | None = None, role: str | None = None,
+                      tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """A streamed chat choice; an empty `content` is left out of the delta unless `role` opens it.
+    `tool_calls`: tool_call(...) dicts with their `index` among the choice's calls."""
     delta: dict[str, Any] = {"role": role} if role else {}
     if content or role:
         delta["content"] = content or ""
+    if tool_calls:
+        delta["tool_calls"] = tool_calls
     choice: dict[str, Any] = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
     if token_ids is not None:
         choice["token_ids"] = token_ids
     return choice
 
 
-def chat_message_choice(index: int, content: str, logprobs: Any = None,
-                        finish_reason: str | None = None) -> dict[str, Any]:
-    return {"index": index, "message": {"role": "assistant", "content": content}, "logprobs": logprobs,
-            "finish_reason": finish_reason}
+def chat_message_choice(index: int, content: str | None, logprobs: Any = None, finish_reason: str | None = None,
+                        tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """`tool_calls` None: the key is left out (a request without tools); a list, even empty, is sent."""
+    message: dict[str, Any] = {"role": "assistant", "content": content}
+    if tool_calls is not None:
+        message["tool_calls"] = tool_calls
+    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def tool_call(call_id: str, name: str, arguments: str, index: int | None = None) -> dict[str, Any]:
+    """One function call of an answer (`index` in a stream's delta); `arguments` is JSON text."""
+    call: dict[str, Any] = {"index": index} if index is not None else {}
+    call.update({"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}})
+    return call
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:

@@ -5,13 +5,15 @@ clients written for vLLM work unchanged. Ranges are checked once, by SamplingPar
 """
 from __future__ import annotations
 
-from typing import Literal, TypeGuard
+from typing import Any, Literal, TypeGuard
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from meshserve.sampling_params import MAX_LOGPROBS
 
 MAX_CACHE_SALT_CHARS = 256
+MAX_TOOLS = 128  # OpenAI's limit on `tools`
+TOOL_NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"
 # torch generators take 64-bit seeds.
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 
@@ -24,6 +26,30 @@ class StreamOptions(StrictModel):
     include_usage: bool = False
 
 
+class StructuredOutputsField(StrictModel):
+    """vLLM's `structured_outputs`: exactly one constraint (sampling_params.StructuredOutputsParams)."""
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | dict[str, Any] | None = None
+
+
+class JsonSchemaFormat(StrictModel):
+    """OpenAI's `response_format.json_schema`."""
+    name: str = Field(default="response", max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(StrictModel):
+    """OpenAI's `response_format`: text (no constraint), any JSON object, or a JSON schema."""
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class SamplingFields(StrictModel):
     """What completions and chat completions share. The sampling fields are SamplingParams' own
     (sampling_params.API_PASSTHROUGH_FIELDS, a test holds the two together): None means "not sent",
@@ -32,6 +58,9 @@ class SamplingFields(StrictModel):
     n: int = 1
     # vLLM's field: the request's prefix-cache hits are only on blocks cached under the same salt.
     cache_salt: str | None = Field(default=None, max_length=MAX_CACHE_SALT_CHARS)
+    # What the output must match: OpenAI's response_format, or vLLM's structured_outputs.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None
     max_tokens: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -85,14 +114,46 @@ class TextPart(StrictModel):
     text: str
 
 
+class FunctionCall(StrictModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(StrictModel):
+    """A call an assistant message made (sent back in the history)."""
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(StrictModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # assistant messages
+    tool_call_id: str | None = None  # role "tool": the call it answers
 
 
-class ResponseFormat(StrictModel):
-    type: Literal["text"]
+class FunctionDefinition(StrictModel):
+    name: str = Field(pattern=TOOL_NAME_PATTERN)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments
+    strict: bool | None = None
+
+
+class ToolDefinition(StrictModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(StrictModel):
+    name: str
+
+
+class NamedToolChoice(StrictModel):
+    """`tool_choice` naming the one function the answer must call."""
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -100,8 +161,11 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    response_format: ResponseFormat | None = None
     add_generation_prompt: bool = True
+    # Tool calling (server/tools.py). tool_choice None: "auto" when tools are given, else "none".
+    tools: list[ToolDefinition] | None = Field(default=None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
 
 class TokenizeRequest(StrictModel):
@@ -111,6 +175,10 @@ class TokenizeRequest(StrictModel):
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
     add_generation_prompt: bool = True
     add_special_tokens: bool = True
+    # As a chat request renders them (vLLM's /tokenize takes them too): the prompt a gateway sizes
+    # and routes by is the one the replica will run.
+    tools: list[ToolDefinition] | None = Field(default=None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
 
 
 class ReservationRequest(StrictModel):

@@ -22,6 +22,7 @@ from meshserve.server.reservations import add_reservation_routes
 from meshserve.server.serving import ServingContext
 from meshserve.server.serving_chat import create_chat_completion
 from meshserve.server.serving_completion import create_completion
+from meshserve.server.tools import rendered_tools
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +84,8 @@ def build_app(ctx: ServingContext, metrics: ServerMetrics, engine_config: dict) 
         req = parse(TokenizeRequest, await read_json(request, ctx.config.max_body_bytes))
         ctx.check_model(req.model)
         if req.messages is not None and req.prompt is None:
-            tokens = await ctx.render_chat(req.messages, req.add_generation_prompt)
+            tokens = await ctx.render_chat(req.messages, req.add_generation_prompt,
+                                           rendered_tools(req.tools, req.tool_choice))
         elif req.prompt is not None and req.messages is None:
             tokens = await ctx.encode(req.prompt, add_special_tokens=req.add_special_tokens)
         else:

@@ -10,7 +10,7 @@ import time
 from collections import defaultdict
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -27,11 +27,14 @@ from meshserve.api.sse import (
     cancel_on_disconnect,
     sse_event,
 )
+from meshserve.api.structured import constraint_of
 from meshserve.engine.client import EngineClient
 from meshserve.engine.errors import EngineCallError, EngineDeadError, EngineRejectedError, EngineRequestFailed
 from meshserve.engine.messages import ErrorCode, RequestDelta
-from meshserve.sampling_params import API_PASSTHROUGH_FIELDS, SamplingParams
+from meshserve.sampling_params import API_PASSTHROUGH_FIELDS, SamplingParams, StructuredOutputsParams
 from meshserve.server.server_config import ServerConfig
+from meshserve.server.tools import for_template, template_knows_tools, tool_calls_of
+from meshserve.structured.grammars import grammar_of
 
 logger = logging.getLogger(__name__)
 
@@ -118,12 +121,24 @@ class ServingContext:
         """The output budget; prompt plus output must fit the context (checked before any model work)."""
         return resolve_max_tokens(requested, prompt_len, self.max_model_len, default)
 
-    def sampling_params(self, req: SamplingFields, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, req: SamplingFields, max_tokens: int, logprobs: int | None,
+                        constraint: StructuredOutputsParams | None = None) -> SamplingParams:
+        """`constraint`: what the output must match when the endpoint decides it (a tool choice);
+        otherwise the request's own response_format / structured_outputs, checked here (a 400
+        naming the field) before anything is queued."""
         if req.logit_bias:
             raise bad_request("logit_bias is not supported", param="logit_bias")
+        constraint = constraint or constraint_of(req)
+        if constraint is not None:
+            try:
+                grammar_of(constraint)
+            except ValueError as exc:
+                raise APIError(400, str(exc), param="response_format" if req.response_format is not None
+                               else "structured_outputs", code="invalid_parameter") from None
         given = {name: value for name in API_PASSTHROUGH_FIELDS if (value := getattr(req, name)) is not None}
         try:  # what the client left out takes SamplingParams' defaults
-            return SamplingParams(n=req.n, max_tokens=max_tokens, logprobs=logprobs, **given)
+            return SamplingParams(n=req.n, max_tokens=max_tokens, logprobs=logprobs, structured_outputs=constraint,
+                                  **given)
         except ValueError as exc:
             raise from_value_error(exc) from None
 
@@ -134,11 +149,16 @@ class ServingContext:
         encode = functools.partial(self.tokenizer.encode, text, add_special_tokens=add_special_tokens)
         return await asyncio.to_thread(encode) if len(text) > _THREAD_TOKENIZE_CHARS else encode()
 
-    async def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
-        """Chat messages -> the prompt's token ids, as /v1/chat/completions and /tokenize see them."""
+    async def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool,
+                          tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """Chat messages (and the tools the answer may call) -> the prompt's token ids, as
+        /v1/chat/completions and /tokenize see them. A template that knows tools renders them
+        itself; for others they are written into the messages (tools.for_template)."""
+        knows_tools = template_knows_tools(getattr(self.tokenizer, "chat_template", None))
+        msgs, template_tools = for_template([_message(m) for m in messages], tools, knows_tools)
         try:
-            text = self.tokenizer.apply_chat_template([_message(m) for m in messages],
-                                                      add_generation_prompt=add_generation_prompt)
+            text = self.tokenizer.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt,
+                                                      tools=template_tools)
         except Exception as exc:  # the template's own checks (roles, order) speak for themselves
             raise bad_request(f"messages: {exc}", param="messages") from None
         # The template already wrote the special tokens it wants (as LLM.chat does).
@@ -300,7 +320,7 @@ async def _chain(first: RequestDelta, rest: AsyncIterator[RequestDelta]) -> Asyn
         yield delta
 
 
-def _message(m: ChatMessage) -> dict:
+def _message(m: ChatMessage) -> dict[str, Any]:
     if m.content is None:
         content = ""
     elif isinstance(m.content, str):
@@ -308,7 +328,12 @@ def _message(m: ChatMessage) -> dict:
     else:
         content = "\n".join(part.text for part in m.content)
     # Chat templates know "system"; OpenAI's newer name for it is "developer".
-    return {"role": "system" if m.role == "developer" else m.role, "content": content}
+    out: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": content}
+    if m.tool_calls:
+        out["tool_calls"] = tool_calls_of(m)
+    if m.tool_call_id is not None:
+        out["tool_call_id"] = m.tool_call_id
+    return out
 
 
 def _digest(text: str) -> str:

@@ -47,7 +47,7 @@ class FakeTokenizer:
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return bytes(ids).decode("utf-8", errors="ignore")
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, tools=None) -> str:
         if messages[-1]["role"] == "assistant" and add_generation_prompt:
             raise ValueError("the last message must not be the assistant's")
         text = "".join(f"<{m['role']}>{m['content']}" for m in messages)

@@ -18,7 +18,7 @@ def test_every_pass_through_field_is_in_the_http_schema_and_means_not_sent_when_
 
 def test_the_pass_through_fields_are_every_sampling_field_but_those_each_endpoint_resolves():
     names = {f.name for f in dataclasses.fields(SamplingParams)}
-    assert set(API_PASSTHROUGH_FIELDS) == names - {"n", "max_tokens", "logprobs"}
+    assert set(API_PASSTHROUGH_FIELDS) == names - {"n", "max_tokens", "logprobs", "structured_outputs"}
 
 
 def test_a_resumed_stream_carries_every_field_but_the_one_it_recounts():
