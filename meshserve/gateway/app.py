@@ -261,11 +261,15 @@ def tenant_cache_salt(tenant: str, client_salt: str | None) -> str:
 
 def _resumable(req: CompletionRequest | ChatCompletionRequest, num_prompts: int) -> bool:
     """Can a continuation on another replica give the same answer (see failover.py)? Not with stop
-    strings: text held back at the seam for one would be matched by neither attempt."""
+    strings (text held back at the seam for one would be matched by neither attempt), nor with a
+    constraint on the output or tools (the continuation's parser would start from scratch)."""
     asks_logprobs = (req.logprobs if isinstance(req, ChatCompletionRequest)
                      else req.logprobs is not None or req.echo)
     reproducible = is_greedy(req.temperature) or req.seed is not None
+    constrained = (req.structured_outputs is not None or getattr(req, "tools", None)
+                   or (req.response_format is not None and req.response_format.type != "text"))
     return (bool(req.stream) and req.n == 1 and num_prompts == 1 and reproducible and not req.stop
+            and not constrained
             and not req.frequency_penalty and not req.presence_penalty and not asks_logprobs)
 
 

@@ -129,8 +129,10 @@ class Tokenizing:
 
 def _to_tokenize(req: Request, raw: dict[str, Any]) -> tuple[list[dict[str, Any]], list[list[int]]]:
     """(the /tokenize bodies of its prompts, or its prompts when they came as token ids already)."""
-    if isinstance(req, ChatCompletionRequest):
-        return [{"messages": raw["messages"], "add_generation_prompt": req.add_generation_prompt}], []
+    if isinstance(req, ChatCompletionRequest):  # rendered as the replica will: with its tools
+        body = {"messages": raw["messages"], "add_generation_prompt": req.add_generation_prompt}
+        body.update({k: raw[k] for k in ("tools", "tool_choice") if raw.get(k) is not None})
+        return [body], []
     if isinstance(req.prompt, str):
         return [{"prompt": req.prompt}], []
     if is_text_batch(req.prompt):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from meshserve.server.tool_parsers import DEFAULT_TOOL_PARSER, TOOL_PARSERS
 from meshserve.utils.checks import check_range
 from meshserve.utils.cli_fields import flag
 
@@ -52,6 +53,8 @@ class ServerConfig:
                                          "reading) before it is aborted (default: %(default)s)", metavar="STEPS")
     health_timeout: float = flag(5.0, "/health answers 503 when no engine's loop answers within this long "
                                       "(a wedged or stopped engine; default: %(default)s)", metavar="SECONDS")
+    tool_call_parser: str = flag(DEFAULT_TOOL_PARSER, "how tool calls are read out of answers when tool_choice is "
+                                                      "auto (default: %(default)s)", choices=tuple(TOOL_PARSERS))
     log_level: str = flag("info", choices=("debug", "info", "warning", "error"))
 
     def __post_init__(self) -> None:
@@ -69,6 +72,9 @@ class ServerConfig:
         check_range("--max-leases-per-key", self.max_leases_per_key, 1, integer=True)
         check_range("--max-stream-backlog", self.max_stream_backlog, 1, integer=True)
         check_range("--health-timeout", self.health_timeout, 0, 600, lo_open=True)
+        if self.tool_call_parser not in TOOL_PARSERS:
+            raise ValueError(f"--tool-call-parser must be one of {', '.join(TOOL_PARSERS)}, "
+                             f"not {self.tool_call_parser!r}")
         for name, key in (("--api-key", self.api_key), ("--metrics-api-key", self.metrics_api_key)):
             if key is not None and not key.strip():
                 raise ValueError(f"{name} must not be empty")

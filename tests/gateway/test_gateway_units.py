@@ -286,7 +286,7 @@ def test_a_request_is_charged_what_it_cost_and_nothing_the_gateway_refused():
     assert _charged(_greq(completion_tokens=500)) == 100  # never more than it took
 
 
-def test_streams_with_stop_strings_are_not_resumed():
+def test_streams_with_stop_strings_or_constraints_are_not_resumed():
     from meshserve.api.protocol import CompletionRequest
     from meshserve.gateway.app import _resumable
 
@@ -294,6 +294,8 @@ def test_streams_with_stop_strings_are_not_resumed():
     assert _resumable(CompletionRequest(**plain), 1)
     assert not _resumable(CompletionRequest(**plain, stop=["\n"]), 1)
     assert not _resumable(CompletionRequest(**{**plain, "temperature": 0.8}), 1)
+    assert not _resumable(CompletionRequest(**plain, structured_outputs={"regex": "a+"}), 1)
+    assert not _resumable(CompletionRequest(**plain, response_format={"type": "json_object"}), 1)
 
 
 @pytest.mark.parametrize("prompt_len,max_tokens,n,block,fewest", [

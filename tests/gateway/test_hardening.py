@@ -305,3 +305,33 @@ def test_a_tenants_file_with_a_keyless_tenant_is_refused_at_start(tmp_path):
     done = subprocess.run([sys.executable, "-m", "meshserve", "gateway", "--backend", "http://127.0.0.1:9",
                            "--tenants", str(path)], capture_output=True, text=True, timeout=60, cwd=REPO)
     assert done.returncode != 0 and "nokeys" in done.stderr and "api_keys" in done.stderr
+
+
+def test_a_replica_whose_engine_is_stopped_holds_nobody_up(fleet):
+    """Replica 0's engine is stopped (SIGSTOP) behind its live front end: its /health fails through
+    the engine loop, a reservation it cannot answer times out instead of holding placements, and every
+    request through the gateway is served by replica 1, each in bounded time."""
+    import os
+    import signal
+
+    import psutil
+
+    gateway = fleet.gateway("--reservation-timeout", "1")
+    engine = next(p for p in psutil.Process(fleet.replicas[0].pid).children() if "spawn_main" in " ".join(p.cmdline()))
+    os.kill(engine.pid, signal.SIGSTOP)
+    try:
+        async def scenario():
+            async with session() as s:
+                async def timed(i):
+                    started = time.monotonic()
+                    answer = await complete(s, gateway.url, {"prompt": prompt(f"stop{i}"), "max_tokens": 2})
+                    return answer[0], time.monotonic() - started
+                return await asyncio.gather(*(timed(i) for i in range(6)))
+        answers = run(scenario(), timeout_s=100)
+    finally:
+        os.kill(engine.pid, signal.SIGCONT)
+        fleet.stop_gateway(gateway)
+    assert [status for status, _ in answers] == [200] * 6
+    # Bounded: one reservation timeout and a retry at most each (a placement that waited on the
+    # stopped engine under a lock took 7 s, one after another, and its requests never finished).
+    assert max(took for _, took in answers) < 30
