@@ -1,12 +1,16 @@
-"""CPU matmuls through oneDNN with weights packed once at load time: float32 for small batches,
-bfloat16 for every batch.
+"""CPU matmuls: the C++ GEMV for a few rows, then oneDNN with weights packed once at load time
+(float32 for small batches, bfloat16 for every batch), then MKL.
 
-With a handful of rows (decode steps: one row per running sequence) MKL's sgemm, which
-`F.linear` calls, packs panels of the weight on every call, work that a few rows cannot amortise;
-oneDNN reads a weight packed once into its own blocked layout. From a few hundred rows on (prefill
-chunks) MKL amortises its packing and is as fast, so those keep `F.linear`; below a few rows
-oneDNN's per-call setup outweighs what it saves on a decoder layer (not on an LM head, tens of
-times larger). The packed copy costs one more copy of each linear weight in host memory.
+Up to GEMV_MAX_ROWS rows (decode steps of a few sequences) a linear layer streams its weight from
+memory once; the C++ GEMV (csrc/gemv.cpp) reads it as stored, in float32 or bfloat16, at the
+memory's pace, where MKL and oneDNN spend more on per-call packing and set-up than on the stream.
+
+From there on MKL's sgemm, which `F.linear` calls, packs panels of the weight on every call, work
+that a few dozen rows cannot amortise; oneDNN reads a weight packed once into its own blocked
+layout. From a few hundred rows on (prefill chunks) MKL amortises its packing and is as fast, so
+those keep `F.linear`. Where the GEMV cannot run (no kernels built), decode rows take oneDNN from
+PACKED_MIN_ROWS (its per-call setup outweighs its gain on a decoder layer below that).
+The packed copy costs one more copy of each linear weight in host memory.
 In bfloat16, `F.linear` reorders the weight on every call and oneDNN runs on AMX tiles where the
 CPU has them, so bfloat16 always takes the packed weight. On a CPU without the instructions
 oneDNN's bfloat16 linear needs (AVX-512 BW/VL/DQ or AVX-NE-CONVERT: an AVX2-only part), bfloat16
@@ -26,6 +30,7 @@ import os
 import torch
 import torch.nn.functional as F
 
+from meshserve.layers import cpu_kernels
 from meshserve.utils.cpuinfo import onednn_packs_bf16
 
 PACKED_MAX_ROWS = 128  # the crossover with MKL, measured between 150 and 250 rows
@@ -60,6 +65,16 @@ def packed_rows(dtype: torch.dtype, min_rows: int = PACKED_MIN_ROWS) -> tuple[in
     return _ANY_ROWS if dtype == torch.bfloat16 else (min_rows, PACKED_MAX_ROWS)
 
 
+def gemv_max_rows(dtype: torch.dtype) -> int:
+    """Up to this many rows a matmul with a CPU weight of this dtype streams the weight through the
+    C++ GEMV (csrc/gemv.cpp) instead of MKL or oneDNN: faster at every row count up to its limit
+    on SmolLM2's shapes, in float32 and bfloat16 (benchmarks/decode_batch1.py). 0: not here, or
+    MESHSERVE_DISABLE_GEMV=1 (the benchmark's baseline)."""
+    usable = (dtype in cpu_kernels.DTYPES and os.environ.get("MESHSERVE_DISABLE_GEMV") != "1"
+              and cpu_kernels.available())
+    return cpu_kernels.GEMV_MAX_ROWS if usable else 0
+
+
 def _enabled(weight: torch.Tensor) -> bool:
     return weight.device.type == "cpu" and packs(weight.dtype)
 
@@ -78,6 +93,9 @@ class PrepackedMatmul:
         self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach()) if _enabled(self.weight) else None
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if (x.dim() == 2 and x.shape[0] <= gemv_max_rows(self.weight.dtype) and self.weight.device.type == "cpu"
+                and x.dtype == self.weight.dtype and self.weight.is_contiguous()):
+            return cpu_kernels.gemv(x, self.weight, bias)
         if self._packed is not None and x.dim() == 2:
             lo, hi = packed_rows(self.weight.dtype, self.packed_min_rows)
             rows = x.shape[0]

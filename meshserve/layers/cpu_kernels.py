@@ -7,6 +7,8 @@
   CPUs with AVX512-BF16 the scores are computed from the cache as stored (csrc/paged_decode.cpp).
 - `rms_norm` (with the residual add fused in), `silu_and_mul` and `rotary_`: one pass over the
   activations each, where the PyTorch formulas make several.
+- `gemv`: linear layers for the few rows of a decode step (csrc/gemv.cpp), streaming the weight
+  as stored, float32 or bfloat16, at the memory's pace (cpu_gemm.py chooses it by row count).
 - `argmax`: the greedy token of each row of logits (a vectorised max, then its first position),
   where torch's argmax runs one scalar pass per row on a CPU.
 
@@ -35,9 +37,9 @@ logger = logging.getLogger(__name__)
 
 # One translation unit, in this order: the later files call the earlier ones' kernels and helpers.
 _SOURCE_PATHS = [Path(__file__).parent / "csrc" / name for name in
-                 ("cpu_kernels.cpp", "paged_decode.cpp", "decoder_stack.cpp")]
-_FUNCTIONS = ["paged_decode", "rms_norm", "silu_and_mul", "rotary_", "argmax_rows", "decoder_stack",
-              "allow_avx512"]
+                 ("cpu_kernels.cpp", "gemv.cpp", "paged_decode.cpp", "decoder_stack.cpp")]
+_FUNCTIONS = ["paged_decode", "rms_norm", "silu_and_mul", "rotary_", "argmax_rows", "gemv", "gemv_isa",
+              "decoder_stack", "allow_avx512"]
 
 _lock = threading.Lock()
 _module = None
@@ -144,6 +146,20 @@ def rotary_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: to
 def argmax(x: torch.Tensor) -> torch.Tensor:
     """torch.argmax(x, dim=-1) of a [rows, V] float32 or bfloat16 tensor (first maximum; first NaN)."""
     return _kernels().argmax_rows(x)
+
+
+GEMV_MAX_ROWS = 16  # kGemvMaxRows in csrc/gemv.cpp
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias) for 1 to GEMV_MAX_ROWS rows of x, streaming the weight as stored
+    (float32 or bfloat16, [N, K] contiguous); computed in float32, rounded once to x's dtype."""
+    return _kernels().gemv(x, weight, bias)
+
+
+def gemv_isa() -> str:
+    """The compiled path gemv takes now: "avx512" or "avx2" (the build's baseline)."""
+    return _kernels().gemv_isa()
 
 
 def allow_avx512(allowed: bool) -> bool:

@@ -71,6 +71,7 @@ class CPUDecoderStack:
         self.cos, self.sin = attn.rotary.cos, attn.rotary.sin
         self.packed_rows = cpu_gemm.packed_rows(attn.qkv_proj.weight.dtype)
         self.row_multiple = cpu_gemm.row_multiple(attn.qkv_proj.weight.dtype)
+        self.gemv_max_rows = cpu_gemm.gemv_max_rows(attn.qkv_proj.weight.dtype)
         self.weights: list[torch.Tensor] = []
         for layer in layers:  # the order of LayerWeight in decoder_stack.cpp
             a, m = layer.attn, layer.mlp
@@ -114,7 +115,7 @@ class CPUDecoderStack:
             h, self.weights, kv_caches, positions, self.cos, self.sin, meta.slot_mapping, groups, tables,
             meta.num_prefill_tokens, meta.decode_block_tables if decode else _NONE,
             meta.decode_context_lens if decode else _NONE, self.num_heads, self.num_kv_heads, self.head_dim,
-            self.eps, *self.packed_rows, self.row_multiple)
+            self.eps, *self.packed_rows, self.row_multiple, self.gemv_max_rows)
         return h, residual
 
 

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from meshserve.layers import cpu_kernels
 from meshserve.layers.attention import AttentionSpec, create_backend
 from meshserve.layers.attention.torch_ref import gathered_decode
-from meshserve.utils.cpuinfo import onednn_packs_bf16
+from meshserve.utils.cpuinfo import cpu_flags, onednn_packs_bf16
 from meshserve.worker.step_packing import PackedStep
 
 BLOCK = 16
@@ -273,10 +273,54 @@ def test_rotary_in_place_matches_module_formula():
 
 # ---- pre-packed matmuls ----------------------------------------------------------------------------
 
-@pytest.mark.parametrize("rows", [1, 3, 4, 64, 128, 129, 700])  # packed from PACKED_MIN_ROWS to _MAX_ROWS
+# ---- decode GEMV ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", list(range(1, cpu_kernels.GEMV_MAX_ROWS + 1)))
+def test_gemv_is_the_float32_product_of_the_stored_values(rows, dtype, isa):
+    """Every row count, output counts that leave a tail of weight rows per block and per thread, and
+    inner sizes that leave a tail past the vector width (8 or 16 lanes)."""
+    assert cpu_kernels.gemv_isa() == (
+        "avx512" if isa == "avx512" and {"avx512f", "avx512bw", "avx512vl"} <= cpu_flags() else "avx2")
+    g = torch.Generator().manual_seed(rows)
+    for n, k in [(1, 1), (3, 13), (67, 77), (200, 96), (1027, 576)]:
+        w = torch.randn(n, k, generator=g).to(dtype)
+        x = torch.randn(rows, k, generator=g).to(dtype)
+        b = torch.randn(n, generator=g).to(dtype)
+        expected = F.linear(x.double(), w.double(), b.double())
+        out = cpu_kernels.gemv(x, w, b)
+        assert out.dtype == dtype and out.shape == (rows, n)
+        # float32: the same sum in another order; bfloat16: computed in float32, rounded once
+        tol = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=2 ** -7, atol=2 ** -7)
+        torch.testing.assert_close(out.double(), expected, **tol)
+        torch.testing.assert_close(cpu_kernels.gemv(x, w), F.linear(x.double(), w.double()).to(dtype),
+                                   **tol, check_dtype=False)
+
+
+def test_gemv_refuses_what_it_cannot_compute():
+    w = torch.randn(8, 16)
+    with pytest.raises(RuntimeError, match="rows"):
+        cpu_kernels.gemv(torch.randn(cpu_kernels.GEMV_MAX_ROWS + 1, 16), w)
+    with pytest.raises(RuntimeError, match="columns"):
+        cpu_kernels.gemv(torch.randn(2, 15), w)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        cpu_kernels.gemv(torch.randn(2, 8), w.t())
+
+
+@contextlib.contextmanager
+def _gemv_row_counts():
+    """The row count of every matmul the GEMV runs from Python, in order."""
+    calls: list[int] = []
+    real = cpu_kernels.gemv
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(cpu_kernels, "gemv", lambda x, *a: calls.append(x.shape[0]) or real(x, *a))
+        yield calls
+
+
+@pytest.mark.parametrize("rows", [1, 3, 9, 16, 17, 64, 128, 129, 700])  # GEMV to 16, packed to _MAX_ROWS
 @pytest.mark.parametrize("bias,lm_head", [(False, False), (True, False), (False, True)])
 def test_packed_linear_matches_f_linear(rows, bias, lm_head):
-    from meshserve.layers.cpu_gemm import PACKED_MAX_ROWS, PACKED_MIN_ROWS, PACKED_MIN_ROWS_LM_HEAD
+    from meshserve.layers.cpu_gemm import PACKED_MAX_ROWS, gemv_max_rows
     from meshserve.layers.embedding import ParallelLMHead
     from meshserve.layers.linear import ColumnParallelLinear
 
@@ -288,13 +332,12 @@ def test_packed_linear_matches_f_linear(rows, bias, lm_head):
     lin.prepack()
     assert lin._packed is not None
     x = torch.randn(rows, 96, generator=g)
-    calls = []
-    real = torch.ops.mkldnn._linear_pointwise
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda *a: calls.append(1) or real(*a))
+    with _packed_row_counts() as packed, _gemv_row_counts() as streamed:
         out = lin(x)
-    low = PACKED_MIN_ROWS_LM_HEAD if lm_head else PACKED_MIN_ROWS
-    assert bool(calls) == (low <= rows <= PACKED_MAX_ROWS)
+    gemv = rows <= gemv_max_rows(torch.float32)
+    assert gemv_max_rows(torch.float32) == cpu_kernels.GEMV_MAX_ROWS
+    assert streamed == ([rows] if gemv else [])
+    assert packed == ([rows] if not gemv and rows <= PACKED_MAX_ROWS else [])
     torch.testing.assert_close(out, F.linear(x, lin.weight, getattr(lin, "bias", None)), rtol=1e-5, atol=1e-4)
 
 
@@ -317,17 +360,20 @@ def test_bf16_packed_linear_takes_every_row_count(rows, packing, monkeypatch):
     lin.prepack()
     assert (lin._packed is not None) == packing
     x = torch.randn(rows, 96, generator=g).bfloat16()
-    with _packed_row_counts() as calls:
+    with _packed_row_counts() as calls, _gemv_row_counts() as streamed:
         out = lin(x)
-    # oneDNN sees the rows padded to whole AMX tiles (one primitive per 16 rows, not per row count);
-    # a CPU that cannot pack bf16 (AVX2 only) runs F.linear
-    assert calls == ([-(-rows // 16) * 16] if packing else [])
+    # a few rows stream the weight as stored; oneDNN sees more rows padded to whole AMX tiles (one
+    # primitive per 16 rows, not per row count); a CPU that cannot pack bf16 (AVX2 only) runs F.linear
+    gemv = rows <= cpu_kernels.GEMV_MAX_ROWS
+    assert streamed == ([rows] if gemv else [])
+    assert calls == ([-(-rows // 16) * 16] if packing and not gemv else [])
     assert out.dtype == torch.bfloat16 and out.shape == (rows, 200)
     expected = F.linear(x.float(), lin.weight.float(), lin.bias.float())
     torch.testing.assert_close(out.float(), expected, rtol=1e-2, atol=5e-2)
-    # a row's result is the same whatever else shares its 16-row tile
-    alone = torch.cat([lin(x[i:i + 1]) for i in range(min(rows, 20))])
-    assert torch.equal(alone, out[:20])
+    # a row's result is the same whatever else shares its step (the rows of one path, padded or not)
+    width = 1 if gemv else cpu_kernels.GEMV_MAX_ROWS + 1
+    alone = torch.cat([lin(x[i:i + width])[:1] for i in range(min(rows - width + 1, 20))])
+    assert torch.equal(alone, out[:len(alone)])
 
 
 @contextlib.contextmanager

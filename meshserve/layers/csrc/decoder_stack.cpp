@@ -21,13 +21,16 @@ bool present(const torch::Tensor& t) { return t.defined() && t.numel() > 0; }
 
 struct PackedRows {  // the row counts that take the packed weight (cpu_gemm.PACKED_MIN_ROWS / _MAX_ROWS)
   int64_t min, max;
+  int64_t gemv_max;  // up to this many rows, the weight as stored through gemv (cpu_gemm.gemv_max_rows)
 };
 
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& packed,
                      const torch::Tensor& bias, const PackedRows& rows) {
-  // The same choice as cpu_gemm.PrepackedMatmul.matmul: oneDNN on the packed weight for few rows.
+  // The same choice as cpu_gemm.PrepackedMatmul.matmul: gemv for a few rows, oneDNN on the packed
+  // weight for more, MKL beyond.
   std::optional<torch::Tensor> b;
   if (present(bias)) b = bias;
+  if (x.size(0) <= rows.gemv_max) return gemv(x.contiguous(), weight, b);
   if (present(packed) && rows.min <= x.size(0) && x.size(0) <= rows.max) {
     static auto op = c10::Dispatcher::singleton()
                          .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
@@ -110,16 +113,17 @@ std::vector<torch::Tensor> decoder_stack(torch::Tensor h, std::vector<torch::Ten
                                          int64_t num_prefill_tokens, torch::Tensor decode_tables,
                                          torch::Tensor decode_lens, int64_t num_heads, int64_t num_kv_heads,
                                          int64_t head_dim, double eps, int64_t packed_min_rows,
-                                         int64_t packed_max_rows, int64_t row_multiple) {
+                                         int64_t packed_max_rows, int64_t row_multiple, int64_t gemv_max_rows) {
   pybind11::gil_scoped_release no_gil;
   TORCH_CHECK(weights.size() == kv_caches.size() * kWeightsPerLayer, "decoder_stack: weights per layer mismatch");
   TORCH_CHECK(prefill_groups.size() % 4 == 0 && prefill_tables.size() * 4 == prefill_groups.size());
   const StepAttention step{slot_mapping, prefill_groups, prefill_tables, num_prefill_tokens, decode_tables,
                            decode_lens};
-  const PackedRows packed_rows{packed_min_rows, packed_max_rows};
+  const PackedRows packed_rows{packed_min_rows, packed_max_rows, gemv_max_rows};
   const int64_t H = num_heads, KVH = num_kv_heads, D = head_dim, T = h.size(0);
   TORCH_CHECK(!kv_caches.empty(), "decoder_stack: no layers");
   TORCH_CHECK(row_multiple >= 1, "decoder_stack: row_multiple must be >= 1");
+  if (T <= gemv_max_rows) row_multiple = 1;  // gemv takes any row count: no padding for oneDNN
   const int64_t rows = (T + row_multiple - 1) / row_multiple * row_multiple;
   if (rows != T) h = at::constant_pad_nd(h, {0, 0, 0, rows - T});
   torch::Tensor residual;

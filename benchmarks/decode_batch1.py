@@ -1,0 +1,141 @@
+"""Batch-1 decode against the memory's read bandwidth, measured in one run on the embedded model.
+
+tg128 as llama-bench counts it: 128 tokens generated one at a time after a 16-token prompt (greedy,
+ignore_eos), ms per token = (time of 1 + 128 tokens - time of 1 token) / 128, the median over
+`--repeats` rounds. Beside it: the bytes of weights one decoded token reads (every linear layer and
+the LM head), the rate that makes, and that rate over the read bandwidth measured in the same run
+(a sum over a 1 GiB float32 buffer on the threads the engine uses). Goal: float32 and bfloat16 at
+>= 85% of the bandwidth (the issue's floor for bf16 is 80%).
+
+Each variant runs in its own process, in turns (rounds), so the machine's drift falls on all of
+them: float32 and bfloat16, each with the decode GEMV (csrc/gemv.cpp) and without it
+(MESHSERVE_DISABLE_GEMV=1: MKL / oneDNN as before), the ratio between them printed. With
+`--llama-bench PATH --gguf FILE` llama.cpp's `llama-bench -p 0 -n 128` on that file takes its turn
+too (same threads).
+
+    python benchmarks/decode_batch1.py
+    python benchmarks/decode_batch1.py --dtypes float32 --repeats 5
+    python benchmarks/decode_batch1.py --llama-bench /opt/llama.cpp/build/bin/llama-bench --gguf model-f32.gguf
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+
+def read_bandwidth(threads: int, nbytes: int = 1 << 30, repeats: int = 5) -> float:
+    """Bytes per second a sum over a buffer far larger than the caches reads."""
+    import torch
+    torch.set_num_threads(threads)
+    buf = torch.ones(nbytes // 4, dtype=torch.float32)
+    buf.sum()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        buf.sum()
+        times.append(time.perf_counter() - t0)
+    return nbytes / min(times)
+
+
+def weight_bytes_per_token(model) -> int:
+    """Bytes of the weights one decode step reads: every linear layer and the LM head (an embedding
+    lookup reads one row, the norms are a rounding error)."""
+    from meshserve.layers.cpu_gemm import PrepackedMatmul
+    return sum(m.weight.numel() * m.weight.element_size() for m in model.modules() if isinstance(m, PrepackedMatmul))
+
+
+def child(dtype: str, repeats: int, prompt_len: int, gen: int) -> dict:
+    import torch
+
+    from meshserve import LLM, SamplingParams
+    llm = LLM(dtype=dtype, max_model_len=512, kv_cache_memory_bytes=64 << 20)
+    engine = llm.engine
+    prompt = torch.randint(1000, 20000, (prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
+
+    def timed(tokens: int) -> float:
+        engine.block_manager.reset_prefix_cache()
+        t0 = time.perf_counter()
+        out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True))
+        elapsed = time.perf_counter() - t0
+        assert len(out[0].outputs[0].token_ids) == tokens
+        return elapsed
+
+    timed(gen + 1)  # warm-up
+    per_token = []
+    for _ in range(repeats):
+        short, long = timed(1), timed(gen + 1)
+        per_token.append((long - short) / gen)
+    info = {"ms_per_token": statistics.median(per_token) * 1e3, "threads": torch.get_num_threads(),
+            "weight_bytes": weight_bytes_per_token(engine.executor.runner.model)}
+    engine.shutdown()
+    return info
+
+
+def llama_bench(path: str, gguf: str, threads: int, repeats: int) -> float:
+    out = subprocess.run([path, "-m", gguf, "-p", "0", "-n", "128", "-t", str(threads), "-r", str(repeats),
+                          "-o", "json"], capture_output=True, text=True, check=True).stdout
+    return 1e3 / float(json.loads(out)[0]["avg_ts"])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    ap.add_argument("--repeats", type=int, default=3, help="rounds, and measurements per variant per round")
+    ap.add_argument("--prompt-len", type=int, default=16)
+    ap.add_argument("--gen", type=int, default=128)
+    ap.add_argument("--llama-bench", help="llama.cpp's llama-bench binary")
+    ap.add_argument("--gguf", help="the GGUF file llama-bench decodes (with --llama-bench)")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        print(json.dumps(child(args.child, args.repeats, args.prompt_len, args.gen)))
+        return 0
+
+    variants = {f"meshserve {d}{suffix}": (d, env) for d in args.dtypes
+                for suffix, env in (("", {}), (" (no GEMV)", {"MESHSERVE_DISABLE_GEMV": "1"}))}
+    results: dict[str, list[dict]] = {name: [] for name in variants}
+    llama: list[float] = []
+    bandwidth: list[float] = []
+    threads = None
+    for r in range(args.repeats):
+        order = list(variants) if r % 2 == 0 else list(variants)[::-1]
+        for name in order:
+            dtype, env = variants[name]
+            proc = subprocess.run([sys.executable, __file__, "--child", dtype, "--repeats", "1",
+                                   "--prompt-len", str(args.prompt_len), "--gen", str(args.gen)],
+                                  capture_output=True, text=True, env={**os.environ, **env})
+            if proc.returncode != 0:
+                print(proc.stderr[-3000:], file=sys.stderr)
+                return 1
+            info = json.loads(proc.stdout.strip().splitlines()[-1])
+            results[name].append(info)
+            threads = info["threads"]
+            print(f"round {r + 1}: {name}: {info['ms_per_token']:.2f} ms/token", flush=True)
+        if args.llama_bench and args.gguf:
+            llama.append(llama_bench(args.llama_bench, args.gguf, threads, 1))
+            print(f"round {r + 1}: llama.cpp: {llama[-1]:.2f} ms/token", flush=True)
+        bandwidth.append(read_bandwidth(threads))
+    bw = statistics.median(bandwidth)
+    print(f"\nread bandwidth ({threads} threads, 1 GiB sum): {bw / 1e9:.1f} GB/s (median of {len(bandwidth)})")
+    print(f"{'engine':28} {'ms/token':>9} {'GB/token':>9} {'GB/s':>7} {'of bandwidth':>13}")
+    for name, runs in results.items():
+        ms = statistics.median(x["ms_per_token"] for x in runs)
+        nbytes = runs[0]["weight_bytes"]
+        rate = nbytes / (ms / 1e3)
+        print(f"{name:28} {ms:9.2f} {nbytes / 1e9:9.3f} {rate / 1e9:7.1f} {rate / bw:12.0%}")
+    if llama:
+        print(f"{'llama.cpp ' + os.path.basename(args.gguf):28} {statistics.median(llama):9.2f}")
+    for d in args.dtypes:
+        new = statistics.median(x["ms_per_token"] for x in results[f"meshserve {d}"])
+        old = statistics.median(x["ms_per_token"] for x in results[f"meshserve {d} (no GEMV)"])
+        print(f"{d}: the GEMV decodes {old / new:.2f}x as fast as MKL/oneDNN")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
