@@ -1,11 +1,12 @@
-"""Batch-1 decode against the memory's read bandwidth, measured in one run on the embedded model.
+"""Batch-1 (and small-batch) decode against the memory's read bandwidth, in one run on the embedded model.
 
 tg128 as llama-bench counts it: 128 tokens generated one at a time after a 16-token prompt (greedy,
 ignore_eos), ms per token = (time of 1 + 128 tokens - time of 1 token) / 128, the median over
-`--repeats` rounds. Beside it: the bytes of weights one decoded token reads (every linear layer and
-the LM head), the rate that makes, and that rate over the read bandwidth measured in the same run
-(a sum over a 1 GiB float32 buffer on the threads the engine uses). Goal: float32 and bfloat16 at
->= 85% of the bandwidth (the issue's floor for bf16 is 80%).
+`--repeats` rounds; with `--batches 1 4 16`, the same for batches of that many prompts (ms per
+decode step, every sequence one token), the batch sizes a served engine runs at low load. Beside
+it: the bytes of weights one step reads (every linear layer and the LM head), the rate that makes,
+and that rate over the read bandwidth measured in the same run (a sum over a 1 GiB float32 buffer
+on the threads the engine uses). Goal: float32 and bfloat16 batch-1 decode at >= 85% of it.
 
 Each variant runs in its own process, in turns (rounds), so the machine's drift falls on all of
 them: float32 and bfloat16, each with the decode GEMV (csrc/gemv.cpp) and without it
@@ -14,7 +15,7 @@ them: float32 and bfloat16, each with the decode GEMV (csrc/gemv.cpp) and withou
 too (same threads).
 
     python benchmarks/decode_batch1.py
-    python benchmarks/decode_batch1.py --dtypes float32 --repeats 5
+    python benchmarks/decode_batch1.py --dtypes float32 --batches 1 4 16 --repeats 5
     python benchmarks/decode_batch1.py --llama-bench /opt/llama.cpp/build/bin/llama-bench --gguf model-f32.gguf
 """
 from __future__ import annotations
@@ -49,28 +50,32 @@ def weight_bytes_per_token(model) -> int:
     return sum(m.weight.numel() * m.weight.element_size() for m in model.modules() if isinstance(m, PrepackedMatmul))
 
 
-def child(dtype: str, repeats: int, prompt_len: int, gen: int) -> dict:
+def child(dtype: str, repeats: int, prompt_len: int, gen: int, batches: list[int]) -> dict:
     import torch
 
     from meshserve import LLM, SamplingParams
     llm = LLM(dtype=dtype, max_model_len=512, kv_cache_memory_bytes=64 << 20)
     engine = llm.engine
-    prompt = torch.randint(1000, 20000, (prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(1000, 20000, (prompt_len,), generator=g).tolist() for _ in range(max(batches))]
 
-    def timed(tokens: int) -> float:
+    def timed(batch: int, tokens: int) -> float:
         engine.block_manager.reset_prefix_cache()
         t0 = time.perf_counter()
-        out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True))
+        out = llm.generate(prompts[:batch], SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True))
         elapsed = time.perf_counter() - t0
-        assert len(out[0].outputs[0].token_ids) == tokens
+        assert all(len(o.outputs[0].token_ids) == tokens for o in out)
         return elapsed
 
-    timed(gen + 1)  # warm-up
-    per_token = []
-    for _ in range(repeats):
-        short, long = timed(1), timed(gen + 1)
-        per_token.append((long - short) / gen)
-    info = {"ms_per_token": statistics.median(per_token) * 1e3, "threads": torch.get_num_threads(),
+    timed(max(batches), 8)  # warm-up
+    step_ms = {}
+    for batch in batches:
+        per_step = []
+        for _ in range(repeats):
+            short, long = timed(batch, 1), timed(batch, gen + 1)
+            per_step.append((long - short) / gen)
+        step_ms[str(batch)] = statistics.median(per_step) * 1e3
+    info = {"step_ms": step_ms, "threads": torch.get_num_threads(),
             "weight_bytes": weight_bytes_per_token(engine.executor.runner.model)}
     engine.shutdown()
     return info
@@ -88,12 +93,13 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3, help="rounds, and measurements per variant per round")
     ap.add_argument("--prompt-len", type=int, default=16)
     ap.add_argument("--gen", type=int, default=128)
+    ap.add_argument("--batches", type=int, nargs="+", default=[1], help="decode batch sizes (1: tg128)")
     ap.add_argument("--llama-bench", help="llama.cpp's llama-bench binary")
     ap.add_argument("--gguf", help="the GGUF file llama-bench decodes (with --llama-bench)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        print(json.dumps(child(args.child, args.repeats, args.prompt_len, args.gen)))
+        print(json.dumps(child(args.child, args.repeats, args.prompt_len, args.gen, args.batches)))
         return 0
 
     variants = {f"meshserve {d}{suffix}": (d, env) for d in args.dtypes
@@ -107,7 +113,8 @@ def main() -> int:
         for name in order:
             dtype, env = variants[name]
             proc = subprocess.run([sys.executable, __file__, "--child", dtype, "--repeats", "1",
-                                   "--prompt-len", str(args.prompt_len), "--gen", str(args.gen)],
+                                   "--prompt-len", str(args.prompt_len), "--gen", str(args.gen),
+                                   "--batches", *map(str, args.batches)],
                                   capture_output=True, text=True, env={**os.environ, **env})
             if proc.returncode != 0:
                 print(proc.stderr[-3000:], file=sys.stderr)
@@ -115,25 +122,32 @@ def main() -> int:
             info = json.loads(proc.stdout.strip().splitlines()[-1])
             results[name].append(info)
             threads = info["threads"]
-            print(f"round {r + 1}: {name}: {info['ms_per_token']:.2f} ms/token", flush=True)
+            steps = ", ".join(f"batch {b}: {ms:.1f}" for b, ms in info["step_ms"].items())
+            print(f"round {r + 1}: {name}: ms per decode step {steps}", flush=True)
         if args.llama_bench and args.gguf:
             llama.append(llama_bench(args.llama_bench, args.gguf, threads, 1))
             print(f"round {r + 1}: llama.cpp: {llama[-1]:.2f} ms/token", flush=True)
         bandwidth.append(read_bandwidth(threads))
     bw = statistics.median(bandwidth)
     print(f"\nread bandwidth ({threads} threads, 1 GiB sum): {bw / 1e9:.1f} GB/s (median of {len(bandwidth)})")
-    print(f"{'engine':28} {'ms/token':>9} {'GB/token':>9} {'GB/s':>7} {'of bandwidth':>13}")
+
+    def step_ms(name: str, batch: int) -> float:
+        return statistics.median(x["step_ms"][str(batch)] for x in results[name])
+
+    print(f"{'engine':28} {'batch':>5} {'ms/step':>8} {'out tok/s':>9} {'GB/step':>8} {'GB/s':>6} {'of bandwidth':>13}")
     for name, runs in results.items():
-        ms = statistics.median(x["ms_per_token"] for x in runs)
         nbytes = runs[0]["weight_bytes"]
-        rate = nbytes / (ms / 1e3)
-        print(f"{name:28} {ms:9.2f} {nbytes / 1e9:9.3f} {rate / 1e9:7.1f} {rate / bw:12.0%}")
+        for batch in args.batches:
+            ms = step_ms(name, batch)
+            rate = nbytes / (ms / 1e3)
+            print(f"{name:28} {batch:5} {ms:8.2f} {batch / ms * 1e3:9.1f} {nbytes / 1e9:8.3f} {rate / 1e9:6.1f} "
+                  f"{rate / bw:12.0%}")
     if llama:
-        print(f"{'llama.cpp ' + os.path.basename(args.gguf):28} {statistics.median(llama):9.2f}")
+        print(f"{'llama.cpp ' + os.path.basename(args.gguf):28} {1:5} {statistics.median(llama):8.2f}")
     for d in args.dtypes:
-        new = statistics.median(x["ms_per_token"] for x in results[f"meshserve {d}"])
-        old = statistics.median(x["ms_per_token"] for x in results[f"meshserve {d} (no GEMV)"])
-        print(f"{d}: the GEMV decodes {old / new:.2f}x as fast as MKL/oneDNN")
+        for batch in args.batches:
+            ratio = step_ms(f"meshserve {d} (no GEMV)", batch) / step_ms(f"meshserve {d}", batch)
+            print(f"{d}, batch {batch}: the GEMV decodes {ratio:.2f}x as fast as MKL/oneDNN")
     return 0
 
 
