@@ -136,8 +136,9 @@ def warm_up_packed(model: torch.nn.Module, max_token_rows: int, max_sequence_row
         seen.add(key)
         lo, hi = packed_rows(m.weight.dtype, m.packed_min_rows)
         top = min(hi, max_sequence_rows if m.rows_are_sequences else max_token_rows)
+        first = max(lo, gemv_max_rows(m.weight.dtype) + 1)  # fewer rows take the GEMV, never oneDNN
         with torch.inference_mode():
-            for rows in range(max(lo, multiple), top + multiple, multiple):
+            for rows in range(-(-first // multiple) * multiple, top + multiple, multiple):
                 m.matmul(torch.zeros(rows, m.weight.shape[1], dtype=m.weight.dtype), bias)
                 calls += 1
     return calls

@@ -152,7 +152,7 @@ GEMV_MAX_ROWS = 16  # kGemvMaxRows in csrc/gemv.cpp
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias) for 1 to GEMV_MAX_ROWS rows of x, streaming the weight as stored
+    """F.linear(x, weight, bias) for 0 to GEMV_MAX_ROWS rows of x, streaming the weight as stored
     (float32 or bfloat16, [N, K] contiguous); computed in float32, rounded once to x's dtype."""
     return _kernels().gemv(x, weight, bias)
 

@@ -299,6 +299,7 @@ def test_gemv_is_the_float32_product_of_the_stored_values(rows, dtype, isa):
 
 def test_gemv_refuses_what_it_cannot_compute():
     w = torch.randn(8, 16)
+    assert cpu_kernels.gemv(torch.randn(0, 16), w).shape == (0, 8)  # an expert no token was routed to
     with pytest.raises(RuntimeError, match="rows"):
         cpu_kernels.gemv(torch.randn(cpu_kernels.GEMV_MAX_ROWS + 1, 16), w)
     with pytest.raises(RuntimeError, match="columns"):
@@ -398,8 +399,10 @@ def test_warm_up_builds_the_row_counts_that_steps_bring(tmp_path, dtype):
     if dtype == "float32" or not onednn_packs_bf16():  # unpadded row counts: too many to build ahead
         assert warmed == []
         return
-    # four decoder weight shapes up to 24 + 8 token rows, the LM head up to 8 sequences, padded
-    assert sorted(warmed) == sorted([16, 32] * 4 + [16])
+    # four decoder weight shapes up to 24 + 8 token rows, padded to 32; 16 rows or fewer (the LM head's
+    # 8 sequences among them) take the GEMV
+    assert cpu_kernels.GEMV_MAX_ROWS == 16
+    assert sorted(warmed) == [32] * 4
     model = runner.model
     model.cpu_stack = None  # the module path, whose matmuls Python sees
     runner.init_kv_cache(64)

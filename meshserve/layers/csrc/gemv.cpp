@@ -179,12 +179,13 @@ torch::Tensor gemv(torch::Tensor x, torch::Tensor weight, c10::optional<torch::T
               "gemv: the weight must be a contiguous [N, K] tensor of x's dtype");
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0), ldx = x.stride(0);
   TORCH_CHECK(weight.size(1) == K, "gemv: x has ", K, " columns but the weight ", weight.size(1));
-  TORCH_CHECK(1 <= M && M <= kGemvMaxRows, "gemv: 1 to ", kGemvMaxRows, " rows, got ", M);
+  TORCH_CHECK(M <= kGemvMaxRows, "gemv: at most ", kGemvMaxRows, " rows, got ", M);
   if (bias)
     TORCH_CHECK(bias->is_contiguous() && bias->numel() == N && bias->scalar_type() == x.scalar_type(),
                 "gemv: bias of N values of x's dtype");
   const bool wide = cpu_has_avx512();
   auto y = torch::empty({M, N}, x.options());
+  if (M == 0) return y;  // an expert no token was routed to
   // x in float32, in the order the kernel reads it: a few KB, reused by the calling thread
   thread_local std::vector<float> scratch;
   scratch.resize(M * K);
