@@ -9,6 +9,10 @@
   activations each, where the PyTorch formulas make several.
 - `gemv`: linear layers for the few rows of a decode step (csrc/gemv.cpp), streaming the weight
   as stored, float32 or bfloat16, at the memory's pace (cpu_gemm.py chooses it by row count).
+- `qgemv` / `qdequantize`: linear layers on quantized weights as a GGUF file stores them (Q4_0,
+  Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K) or as int8 rows with per-channel scales (csrc/quant_gemv.cpp):
+  a decode step's few rows read the blocks without expanding them in memory; more rows take the
+  dequantized weight through the float matmul.
 - `argmax`: the greedy token of each row of logits (a vectorised max, then its first position),
   where torch's argmax runs one scalar pass per row on a CPU.
 
@@ -37,9 +41,9 @@ logger = logging.getLogger(__name__)
 
 # One translation unit, in this order: the later files call the earlier ones' kernels and helpers.
 _SOURCE_PATHS = [Path(__file__).parent / "csrc" / name for name in
-                 ("cpu_kernels.cpp", "gemv.cpp", "paged_decode.cpp", "decoder_stack.cpp")]
+                 ("cpu_kernels.cpp", "gemv.cpp", "quant_gemv.cpp", "paged_decode.cpp", "decoder_stack.cpp")]
 _FUNCTIONS = ["paged_decode", "rms_norm", "silu_and_mul", "rotary_", "argmax_rows", "gemv", "gemv_isa",
-              "decoder_stack", "allow_avx512"]
+              "decoder_stack", "allow_avx512", "qgemv", "qdequantize"]
 
 _lock = threading.Lock()
 _module = None
@@ -49,7 +53,10 @@ _tried = False
 def _cpu_flags() -> list[str]:
     """AVX2/FMA only when this CPU has them; never -march=native, whose output a machine with
     another CPU sharing the cache directory could not run (the flags are part of the build name)."""
-    return ["-mavx2", "-mfma"] if {"avx2", "fma"} <= cpu_flags() else []
+    flags = cpu_flags()
+    if not {"avx2", "fma"} <= flags:
+        return []
+    return ["-mavx2", "-mfma", "-mf16c"] if "f16c" in flags else ["-mavx2", "-mfma"]
 
 
 def _build():
@@ -166,6 +173,18 @@ def allow_avx512(allowed: bool) -> bool:
     """Whether the kernels may take their AVX-512 paths where the CPU has them (the default); the
     tests turn it off to check the AVX2 paths on such a CPU. Returns the previous setting."""
     return _kernels().allow_avx512(allowed)
+
+
+def qgemv(x: torch.Tensor, data: torch.Tensor, block_type: int, row_scale: torch.Tensor | None = None,
+          bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, dequantized weight, bias) for 0 to GEMV_MAX_ROWS rows of x, reading the weight's
+    quantized blocks as stored (csrc/quant_gemv.cpp; `data`: [N, row_bytes] uint8)."""
+    return _kernels().qgemv(x, data, block_type, row_scale, bias)
+
+
+def qdequantize(data: torch.Tensor, block_type: int, k: int, row_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """The float32 [N, k] weight that quantized blocks `data` ([N, row_bytes] uint8) stand for."""
+    return _kernels().qdequantize(data, block_type, k, row_scale)
 
 
 def decoder_stack(*args):

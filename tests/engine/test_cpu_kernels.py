@@ -62,14 +62,6 @@ def kernel():
     assert cpu_kernels.available(), "the C++ kernel must build here (g++ and ninja are installed)"
 
 
-@pytest.fixture(params=["avx512", "avx2"])
-def isa(request):
-    """Runs a test on the kernels' AVX-512 paths (where this CPU has them) and on the AVX2 ones."""
-    previous = cpu_kernels.allow_avx512(request.param == "avx512")
-    yield request.param
-    cpu_kernels.allow_avx512(previous)
-
-
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (9, 3), (8, 2)])  # GQA ratios 1, 3 and 4
 @pytest.mark.parametrize("table_kind", ["scattered", "shared_prefix", "padded"])
 # The two compiled-in sizes, and run-time ones with a tail past the 16-column value chunks (72) and
