@@ -11,12 +11,15 @@ on the threads the engine uses). Goal: float32 and bfloat16 batch-1 decode at >=
 Each variant runs in its own process, in turns (rounds), so the machine's drift falls on all of
 them: float32 and bfloat16, each with the decode GEMV (csrc/gemv.cpp) and without it
 (MESHSERVE_DISABLE_GEMV=1: MKL / oneDNN as before), the ratio between them printed. With
-`--llama-bench PATH --gguf FILE` llama.cpp's `llama-bench -p 0 -n 128` on that file takes its turn
-too (same threads).
+`--quantizations none gguf int8` the weights are also served quantized (`--quantization`; gguf: the
+embedded file's own Q4_1 blocks), and each `--gguf FILE` adds that file served as stored (a Q8_0 of
+the same weights, say). With `--llama-bench PATH` llama.cpp's `llama-bench -p 0 -n 128` on each
+GGUF file (the embedded one, and every `--gguf`) takes its turn too (same threads).
 
     python benchmarks/decode_batch1.py
     python benchmarks/decode_batch1.py --dtypes float32 --batches 1 4 16 --repeats 5
-    python benchmarks/decode_batch1.py --llama-bench /opt/llama.cpp/build/bin/llama-bench --gguf model-f32.gguf
+    python benchmarks/decode_batch1.py --dtypes float32 --quantizations none gguf int8 --gguf q8_0.gguf \
+        --batches 1 16 --llama-bench /opt/llamacpp-build/bin/llama-bench
 """
 from __future__ import annotations
 
@@ -47,14 +50,16 @@ def weight_bytes_per_token(model) -> int:
     """Bytes of the weights one decode step reads: every linear layer and the LM head (an embedding
     lookup reads one row, the norms are a rounding error)."""
     from meshserve.layers.cpu_gemm import PrepackedMatmul
-    return sum(m.weight.numel() * m.weight.element_size() for m in model.modules() if isinstance(m, PrepackedMatmul))
+    return sum(m.quant.nbytes if m.quant is not None else m.weight.numel() * m.weight.element_size()
+               for m in model.modules() if isinstance(m, PrepackedMatmul))
 
 
-def child(dtype: str, repeats: int, prompt_len: int, gen: int, batches: list[int]) -> dict:
+def child(variant: str, repeats: int, prompt_len: int, gen: int, batches: list[int]) -> dict:
     import torch
 
     from meshserve import LLM, SamplingParams
-    llm = LLM(dtype=dtype, max_model_len=512, kv_cache_memory_bytes=64 << 20)
+    dtype, quantization, model = variant.split(":", 2)
+    llm = LLM(model, dtype=dtype, quantization=quantization, max_model_len=512, kv_cache_memory_bytes=64 << 20)
     engine = llm.engine
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(1000, 20000, (prompt_len,), generator=g).tolist() for _ in range(max(batches))]
@@ -94,18 +99,26 @@ def main() -> int:
     ap.add_argument("--prompt-len", type=int, default=16)
     ap.add_argument("--gen", type=int, default=128)
     ap.add_argument("--batches", type=int, nargs="+", default=[1], help="decode batch sizes (1: tg128)")
-    ap.add_argument("--llama-bench", help="llama.cpp's llama-bench binary")
-    ap.add_argument("--gguf", help="the GGUF file llama-bench decodes (with --llama-bench)")
+    ap.add_argument("--quantizations", nargs="+", default=["none"], choices=["none", "gguf", "int8", "fp8"])
+    ap.add_argument("--gguf", nargs="*", default=[], help="more GGUF files, served as stored")
+    ap.add_argument("--no-gemv-baseline", action="store_true", help="skip the MESHSERVE_DISABLE_GEMV variants")
+    ap.add_argument("--llama-bench", help="llama.cpp's llama-bench binary: decodes every GGUF file too")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         print(json.dumps(child(args.child, args.repeats, args.prompt_len, args.gen, args.batches)))
         return 0
 
-    variants = {f"meshserve {d}{suffix}": (d, env) for d in args.dtypes
-                for suffix, env in (("", {}), (" (no GEMV)", {"MESHSERVE_DISABLE_GEMV": "1"}))}
+    from meshserve.models.loader import default_gguf_path
+
+    baselines = [("", {})] if args.no_gemv_baseline else [("", {}), (" (no GEMV)", {"MESHSERVE_DISABLE_GEMV": "1"})]
+    variants = {f"meshserve {d}{'' if q == 'none' else ' ' + q}{suffix}": (f"{d}:{q}:default", env)
+                for d in args.dtypes for q in args.quantizations
+                for suffix, env in (baselines if q == "none" else baselines[:1])}
+    variants |= {f"meshserve gguf {os.path.basename(f)}": (f"{args.dtypes[0]}:gguf:{f}", {}) for f in args.gguf}
+    gguf_files = [str(default_gguf_path()), *args.gguf]
     results: dict[str, list[dict]] = {name: [] for name in variants}
-    llama: list[float] = []
+    llama: dict[str, list[float]] = {f: [] for f in gguf_files}
     bandwidth: list[float] = []
     threads = None
     for r in range(args.repeats):
@@ -124,9 +137,9 @@ def main() -> int:
             threads = info["threads"]
             steps = ", ".join(f"batch {b}: {ms:.1f}" for b, ms in info["step_ms"].items())
             print(f"round {r + 1}: {name}: ms per decode step {steps}", flush=True)
-        if args.llama_bench and args.gguf:
-            llama.append(llama_bench(args.llama_bench, args.gguf, threads, 1))
-            print(f"round {r + 1}: llama.cpp: {llama[-1]:.2f} ms/token", flush=True)
+        for f in gguf_files if args.llama_bench else []:
+            llama[f].append(llama_bench(args.llama_bench, f, threads, 1))
+            print(f"round {r + 1}: llama.cpp {os.path.basename(f)}: {llama[f][-1]:.2f} ms/token", flush=True)
         bandwidth.append(read_bandwidth(threads))
     bw = statistics.median(bandwidth)
     print(f"\nread bandwidth ({threads} threads, 1 GiB sum): {bw / 1e9:.1f} GB/s (median of {len(bandwidth)})")
@@ -142,9 +155,11 @@ def main() -> int:
             rate = nbytes / (ms / 1e3)
             print(f"{name:28} {batch:5} {ms:8.2f} {batch / ms * 1e3:9.1f} {nbytes / 1e9:8.3f} {rate / 1e9:6.1f} "
                   f"{rate / bw:12.0%}")
-    if llama:
-        print(f"{'llama.cpp ' + os.path.basename(args.gguf):28} {1:5} {statistics.median(llama):8.2f}")
-    for d in args.dtypes:
+    for f, times in llama.items():
+        if times:
+            ms = statistics.median(times)
+            print(f"{'llama.cpp ' + os.path.basename(f):28} {1:5} {ms:8.2f} {1e3 / ms:9.1f}")
+    for d in args.dtypes if not args.no_gemv_baseline and "none" in args.quantizations else []:
         for batch in args.batches:
             ratio = step_ms(f"meshserve {d} (no GEMV)", batch) / step_ms(f"meshserve {d}", batch)
             print(f"{d}, batch {batch}: the GEMV decodes {ratio:.2f}x as fast as MKL/oneDNN")

@@ -19,6 +19,10 @@ CPU_DEFAULT_KV_BYTES = 4 << 30  # like vLLM's CPU backend: 4 GiB unless told oth
 # decodes buy no throughput, only a longer stall of every stream and of the first prompt's token.
 CPU_PREFILL_CHUNK_WITH_DECODES = 256
 LOAD_FORMATS = ("auto", "dummy")
+# vLLM's names. None: what the checkpoint says (a GGUF file's blocks, an fp8 checkpoint's
+# quantization_config), else the compute dtype.
+QUANTIZATION_METHODS = ("none", "gguf", "int8", "fp8")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 
 def parse_bytes(text: str) -> int:
@@ -45,6 +49,14 @@ class EngineConfig:
                               "bfloat16, float16")
     device: str = flag("auto", choices=("auto", "cpu", "cuda"))
     load_format: str = flag("auto", choices=LOAD_FORMATS)
+    quantization: str | None = flag(
+        None, "weights as stored or made at load: none (dequantized to --dtype), gguf (a GGUF file's blocks "
+              "as stored; the default for .gguf models), int8 (weight-only, per-output-channel scales, made "
+              "at load), fp8 (e4m3 with per-channel scales: an fp8 checkpoint's own, or made at load); "
+              "default: what the checkpoint holds", choices=QUANTIZATION_METHODS, aliases=("-q",))
+    kv_cache_dtype: str = flag("auto", "the KV cache's element type: auto (the compute dtype), fp8 / fp8_e4m3, "
+                                       "fp8_e5m2 (one byte per value, twice the tokens per byte)",
+                               choices=KV_CACHE_DTYPES)
     seed: int = flag(0)
     max_model_len: int | None = flag(None, type=int)
     max_num_seqs: int = flag(256)
@@ -84,6 +96,11 @@ class EngineConfig:
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
         if self.device == "cuda" and not _cuda_available():
             raise ValueError("device='cuda' was requested but no CUDA device is available")
+        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)}, "
+                             f"got {self.quantization!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         for name in ("max_num_seqs", "block_size", "tensor_parallel_size", "pipeline_parallel_size"):

@@ -7,6 +7,8 @@ About ten seconds of measurements, each the median of repeated calls (see _typic
   the bytes written;
 * the linear-layer profile (seconds per weight byte by row count), causal attention FLOP/s, the
   host time of a kernel call, and on a CPU the engine's own per-step and per-layer costs;
+* on a CPU, the quantized GEMV (cpu_kernels.qgemv) streaming Q4_1 (or the plan's format), Q8_0 and
+  int8 rows as stored: bytes/s at 1 row and at the kernel's most rows;
 * all-reduce between 2 local processes (torch.distributed, gloo): the ring model for N = 2 is
   t(S) = 2 alpha + S / beta, so a 4-byte all-reduce gives alpha and a 4 MiB one gives beta.
 Times are wall-clock by default. On a CPU shared with other work, `cpu_time=True` (with one
@@ -29,6 +31,8 @@ from pathlib import Path
 from meshserve.distributed.parallel_state import keep_gloo_on_loopback
 from meshserve.models.geometry import kv_block_bytes
 from meshserve.plan.calibration import Calibration, save_calibration
+
+from .quant import DEFAULT_QUANT_FORMATS, measure_quant_gemv
 
 ALLREDUCE_RANKS = 2
 
@@ -319,11 +323,13 @@ CPU_DTYPES = ("float32", "bfloat16")
 
 
 def calibrate(path: str | Path | None = None, *, threads: int | None = None,
-              cpu_time: bool = False, cpu_dtype: str = "float32") -> tuple[Calibration, Path]:
+              cpu_time: bool = False, cpu_dtype: str = "float32",
+              quant_formats: tuple[str, ...] = DEFAULT_QUANT_FORMATS) -> tuple[Calibration, Path]:
     """Measure, save, and return the calibration and where it was written. `threads` sets
     torch's intra-op threads for the measurement (default: torch's own choice). A CPU measures
     matmuls, attention and the engine's step in `cpu_dtype` (the dtype it will serve in: bfloat16
-    runs on AMX tiles where the CPU has them); a GPU always in bfloat16."""
+    runs on AMX tiles where the CPU has them), and the quantized GEMV of `quant_formats` (block
+    format names) with activations in it; a GPU always measures bfloat16, and no quantized GEMV."""
     import torch
 
     if cpu_dtype not in CPU_DTYPES:
@@ -351,6 +357,7 @@ def calibrate(path: str | Path | None = None, *, threads: int | None = None,
             gemm_profile=measure_gemm_profile(device, dtype, clock=clock),
             attention_flops=measure_attention_flops(device, dtype, clock=clock),
             decode_attention_flops=None if cuda else measure_decode_attention_flops(dtype, clock=clock),
+            quant_gemv_rates=None if cuda else measure_quant_gemv(dtype, quant_formats, clock=clock),
             op_overhead_s=measure_op_overhead(device, clock=clock),
             step_overhead_s=step_overhead, layer_overhead_s=layer_overhead,
             memory_bytes=_memory_bytes(device),

@@ -44,8 +44,10 @@ logger = logging.getLogger("meshserve")
 
 class LLMEngine:
     def __init__(self, config: EngineConfig):
-        self.config = config
         self.source = resolve_model(config.model, config.load_format)
+        config = replace(config, quantization=self.source.quantization_for(config.quantization,
+                                                                           config.tensor_parallel_size))
+        self.config = config
         mcfg = self.source.config
         self.tokenizer: Tokenizer = (Tokenizer.from_hf_dir(config.tokenizer) if config.tokenizer
                                      else self.source.load_tokenizer())

@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from meshserve.layers import cpu_kernels
+from meshserve.layers.quantization.matmul import QuantizedMatmul
 from meshserve.utils.cpuinfo import onednn_packs_bf16
 
 PACKED_MAX_ROWS = 128  # the crossover with MKL, measured between 150 and 250 rows
@@ -82,17 +83,21 @@ def _enabled(weight: torch.Tensor) -> bool:
 class PrepackedMatmul:
     """Mixin for modules holding a `weight` [out, in] used as x @ weight^T."""
 
-    weight: torch.nn.Parameter  # set by the module's __init__
+    weight: torch.nn.Parameter  # set by the module's __init__ (empty once the weight is quantized)
     _packed: torch.Tensor | None = None
+    quant: QuantizedMatmul | None = None  # the weight as quantized blocks (quantization/assemble.py)
     packed_min_rows = PACKED_MIN_ROWS
     rows_are_sequences = False  # one row per sequence (an LM head), not one per token
     bias_in_matmul = True  # forward passes its bias to matmul (a row-parallel one adds it after the all-reduce)
 
     def prepack(self) -> None:
         """Call after the weights are loaded and on their final device and dtype."""
-        self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach()) if _enabled(self.weight) else None
+        usable = _enabled(self.weight) and self.quant is None
+        self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach()) if usable else None
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.quant is not None:
+            return self.quant(x, bias)
         if (x.dim() == 2 and x.shape[0] <= gemv_max_rows(self.weight.dtype) and self.weight.device.type == "cpu"
                 and x.dtype == self.weight.dtype and self.weight.is_contiguous()):
             return cpu_kernels.gemv(x, self.weight, bias)

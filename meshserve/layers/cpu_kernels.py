@@ -5,14 +5,18 @@
   traffic of attention. One task is one sequence: each cached token's K/V row (all KV heads) is
   read once, as one contiguous run, and serves every query head of its group. In bfloat16 on
   CPUs with AVX512-BF16 the scores are computed from the cache as stored (csrc/paged_decode.cpp).
+  An fp8 cache (float8_e4m3fn or float8_e5m2, --kv-cache-dtype) is read as stored too, each byte
+  widened to float32 in registers and times the layer's k_scale / v_scale.
 - `rms_norm` (with the residual add fused in), `silu_and_mul` and `rotary_`: one pass over the
   activations each, where the PyTorch formulas make several.
 - `gemv`: linear layers for the few rows of a decode step (csrc/gemv.cpp), streaming the weight
   as stored, float32 or bfloat16, at the memory's pace (cpu_gemm.py chooses it by row count).
 - `qgemv` / `qdequantize`: linear layers on quantized weights as a GGUF file stores them (Q4_0,
-  Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K) or as int8 rows with per-channel scales (csrc/quant_gemv.cpp):
-  a decode step's few rows read the blocks without expanding them in memory; more rows take the
-  dequantized weight through the float matmul.
+  Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K) or as int8 / float8 e4m3 rows with per-channel scales
+  (csrc/quant_gemv.cpp): a decode step's few rows read the blocks without expanding them in memory,
+  x rounded to int8 per 32 values so that each block meets it in integer dot products (AVX512-VNNI,
+  AVX-VNNI or AVX2, chosen at run time; `set_quant_isa` forces one, or the float path); more rows
+  take the dequantized weight through the float matmul.
 - `argmax`: the greedy token of each row of logits (a vectorised max, then its first position),
   where torch's argmax runs one scalar pass per row on a CPU.
 
@@ -43,7 +47,7 @@ logger = logging.getLogger(__name__)
 _SOURCE_PATHS = [Path(__file__).parent / "csrc" / name for name in
                  ("cpu_kernels.cpp", "gemv.cpp", "quant_gemv.cpp", "paged_decode.cpp", "decoder_stack.cpp")]
 _FUNCTIONS = ["paged_decode", "rms_norm", "silu_and_mul", "rotary_", "argmax_rows", "gemv", "gemv_isa",
-              "decoder_stack", "allow_avx512", "qgemv", "qdequantize"]
+              "decoder_stack", "allow_avx512", "qgemv", "qdequantize", "quant_isa", "set_quant_isa", "quant_tune"]
 
 _lock = threading.Lock()
 _module = None
@@ -117,6 +121,16 @@ def usable(*tensors: torch.Tensor) -> bool:
     return dtype in DTYPES and all(t.device.type == "cpu" and t.dtype == dtype for t in tensors) and available()
 
 
+FP8_CACHE_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def decode_usable(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """paged_decode takes q as `usable` does and a cache of q's dtype or an fp8 one."""
+    if k_cache.device.type != "cpu" or k_cache.dtype not in (q.dtype, *FP8_CACHE_DTYPES):
+        return False
+    return usable(q)
+
+
 def _kernels():
     if not available():
         raise RuntimeError("the CPU kernels are not available")
@@ -124,13 +138,15 @@ def _kernels():
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                 context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                 context_lens: torch.Tensor, scale: float, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """q: [B, H, D]; caches: [num_blocks, block_size, KVH, D]; block_tables: [B, max_blocks];
     context_lens: [B] tokens each sequence attends to (its new token included). Returns [B, H, D].
-    bfloat16 with head size 64 or 128 takes the AVX512-BF16 path where the CPU has it."""
+    bfloat16 with head size 64 or 128 takes the AVX512-BF16 path where the CPU has it. The caches
+    are q's dtype, or fp8 (decode_usable) read as stored value x k_scale (keys) / v_scale (values)."""
     return _kernels().paged_decode(q.contiguous(), k_cache.contiguous(), v_cache.contiguous(),
                                    block_tables.to(torch.long).contiguous(),
-                                   context_lens.to(torch.long).contiguous(), float(scale))
+                                   context_lens.to(torch.long).contiguous(), float(scale), float(k_scale),
+                                   float(v_scale))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None) -> torch.Tensor:
@@ -177,9 +193,27 @@ def allow_avx512(allowed: bool) -> bool:
 
 def qgemv(x: torch.Tensor, data: torch.Tensor, block_type: int, row_scale: torch.Tensor | None = None,
           bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, dequantized weight, bias) for 0 to GEMV_MAX_ROWS rows of x, reading the weight's
-    quantized blocks as stored (csrc/quant_gemv.cpp; `data`: [N, row_bytes] uint8)."""
+    """F.linear(x, dequantized weight, bias) for 0 to GEMV_MAX_ROWS rows of x (float32 or bfloat16),
+    reading the weight's quantized blocks as stored (csrc/quant_gemv.cpp; `data`: [N, row_bytes]
+    uint8; `row_scale`: float32 [N], for int8 and fp8 rows only).
+
+    On the integer paths (`quant_isa()`; every block type but fp8 rows) x is first rounded per run
+    of 32 values to int8 with the scale max|x| / 127, and the result is the product of the
+    dequantized weight with that rounded x: within ~1% of the exact product, as llama.cpp computes
+    it. On the float path it is the float32 product up to summation order."""
     return _kernels().qgemv(x, data, block_type, row_scale, bias)
+
+
+def quant_isa() -> str:
+    """The path qgemv takes now for GGUF blocks and int8 rows: "vnni512", "avx512", "avxvnni", "avx2"
+    (integer dot products; fp8 rows always take the float path) or "float"."""
+    return _kernels().quant_isa()
+
+
+def set_quant_isa(name: str) -> str:
+    """Forces qgemv's path ("vnni512", "avx512", "avxvnni", "avx2", "float"; "auto" for the best this
+    CPU has, the default); RuntimeError for a path the CPU lacks. Returns the previous setting."""
+    return _kernels().set_quant_isa(name)
 
 
 def qdequantize(data: torch.Tensor, block_type: int, k: int, row_scale: torch.Tensor | None = None) -> torch.Tensor:

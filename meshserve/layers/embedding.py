@@ -7,10 +7,13 @@ from torch import nn
 
 from meshserve.distributed.parallel_state import get_parallel_state
 from meshserve.layers.cpu_gemm import PACKED_MIN_ROWS_LM_HEAD, PrepackedMatmul
-from meshserve.layers.weight_loader import set_weight_loader
+from meshserve.layers.quantization.matmul import QuantizedMatmul
+from meshserve.layers.weight_loader import Loaded, set_weight_loader, store_rows
 
 
 class VocabParallelEmbedding(nn.Module):
+    quant: QuantizedMatmul | None = None  # the table as quantized blocks (quantization/assemble.py)
+
     def __init__(self, vocab_size: int, hidden: int):
         super().__init__()
         ps = get_parallel_state()
@@ -21,16 +24,21 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.zeros(self.per_rank, hidden), requires_grad=False)
         set_weight_loader(self.weight, self.weight_loader)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded: Loaded, shard_id=None) -> None:
         rows = max(0, min(self.per_rank, self.vocab_size - self.start))
-        param.data[:rows].copy_(loaded.narrow(0, self.start, rows))
+        store_rows(param, loaded.narrow(0, self.start, rows))
+
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.quant is not None:  # a quantized table: the rows asked for, dequantized
+            return self.quant.rows(ids, self.weight.dtype)
+        return F.embedding(ids, self.weight)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return F.embedding(ids, self.weight)
+            return self.lookup(ids)
         local = ids - self.start
         outside = (local < 0) | (local >= self.per_rank)
-        y = F.embedding(local.masked_fill(outside, 0), self.weight)
+        y = self.lookup(local.masked_fill(outside, 0))
         y.masked_fill_(outside.unsqueeze(-1), 0.0)
         return get_parallel_state().all_reduce(y)
 

@@ -11,7 +11,8 @@ from torch import nn
 
 from meshserve.distributed.parallel_state import get_parallel_state
 from meshserve.layers.cpu_gemm import PrepackedMatmul
-from meshserve.layers.weight_loader import plain_loader, set_weight_loader
+from meshserve.layers.quantization.blocks import QuantizedWeight, check_block_split
+from meshserve.layers.weight_loader import Loaded, plain_loader, set_weight_loader, store_rows
 
 
 class ColumnParallelLinear(PrepackedMatmul, nn.Module):
@@ -31,9 +32,9 @@ class ColumnParallelLinear(PrepackedMatmul, nn.Module):
             self.bias = nn.Parameter(torch.empty(self.out_per_rank), requires_grad=False)
             set_weight_loader(self.bias, self.weight_loader)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded: Loaded, shard_id=None) -> None:
         n = param.shape[0]
-        param.data.copy_(loaded.narrow(0, self.tp_rank * n, n))
+        store_rows(param, loaded.narrow(0, self.tp_rank * n, n))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.bias)
@@ -46,10 +47,10 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         self.out_sizes = out_sizes
         super().__init__(in_features, sum(out_sizes), bias)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int = 0) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded: Loaded, shard_id: int = 0) -> None:
         size = self.out_sizes[shard_id] // self.tp_size
         offset = sum(self.out_sizes[:shard_id]) // self.tp_size
-        param.data.narrow(0, offset, size).copy_(loaded.narrow(0, self.tp_rank * size, size))
+        store_rows(param, loaded.narrow(0, self.tp_rank * size, size), offset)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -66,7 +67,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         out = (self.num_heads + 2 * self.num_kv_heads) * head_dim * tp
         super().__init__(hidden, out, bias)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str = "q") -> None:
+    def weight_loader(self, param: nn.Parameter, loaded: Loaded, shard_id: str = "q") -> None:
         hd = self.head_dim
         q_size, kv_size = self.num_heads * hd, self.num_kv_heads * hd
         if shard_id == "q":
@@ -74,7 +75,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         else:
             offset = q_size if shard_id == "k" else q_size + kv_size
             size, start = kv_size, (self.tp_rank // self.kv_replicas) * kv_size
-        param.data.narrow(0, offset, size).copy_(loaded.narrow(0, start, size))
+        store_rows(param, loaded.narrow(0, start, size), offset)
 
 
 class RowParallelLinear(PrepackedMatmul, nn.Module):
@@ -101,9 +102,12 @@ class RowParallelLinear(PrepackedMatmul, nn.Module):
             self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
             set_weight_loader(self.bias, plain_loader)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded: Loaded, shard_id=None) -> None:
         n = param.shape[1]
-        param.data.copy_(loaded.narrow(1, self.tp_rank * n, n))
+        if isinstance(loaded, QuantizedWeight):  # each rank's columns must be whole blocks
+            check_block_split(f"{loaded.shape[0]}x{loaded.shape[1]} row-parallel weight", loaded.shape[1],
+                              self.tp_size, loaded.block_type)
+        store_rows(param, loaded.narrow(1, self.tp_rank * n, n))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.matmul(x)

@@ -18,6 +18,7 @@ grouped matmuls, and each token's k results are summed in a fixed order.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -29,7 +30,9 @@ from meshserve.distributed.expert_load import ExpertLoadRecorder
 from meshserve.distributed.parallel_state import get_parallel_state
 from meshserve.layers.activation import silu_and_mul
 from meshserve.layers.linear import ReplicatedLinear
-from meshserve.layers.weight_loader import set_weight_loader
+from meshserve.layers.quantization.blocks import QuantizedWeight, check_block_split
+from meshserve.layers.quantization.matmul import QuantizedMatmul
+from meshserve.layers.weight_loader import Loaded, set_weight_loader
 
 
 @dataclass(frozen=True)
@@ -94,31 +97,69 @@ class GroupedExperts(nn.Module):
         self.slice_rank, self.inter = slice_rank, intermediate // slices
         self.w13 = nn.Parameter(torch.empty(num_local, 2 * self.inter, hidden), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(num_local, hidden, self.inter), requires_grad=False)
+        self.hidden = hidden
+        self.quantized_pieces: dict[tuple[int, str], QuantizedWeight] = {}
+        self.quant: list[tuple[QuantizedMatmul, QuantizedMatmul]] | None = None  # (gate_up, down) per expert
         set_weight_loader(self.w13, self.weight_loader)
         set_weight_loader(self.w2, self.weight_loader)
 
     def owns(self, expert: int) -> bool:
         return self.first_expert <= expert < self.first_expert + self.num_local
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: tuple[int, str]) -> None:
-        """`shard` = (global expert id, "gate" | "up" | "down"); experts of other EP ranks are skipped."""
+    def weight_loader(self, param: nn.Parameter, loaded: Loaded, shard: tuple[int, str]) -> None:
+        """`shard` = (global expert id, "gate" | "up" | "down"); experts of other EP ranks are skipped.
+        Quantized blocks are kept per (local expert, projection) until assemble_quantized joins them."""
         expert, which = shard
         if not self.owns(expert):
             return
-        dest, n, off = param.data[expert - self.first_expert], self.inter, self.slice_rank * self.inter
+        local, n, off = expert - self.first_expert, self.inter, self.slice_rank * self.inter
+        if which == "down" and isinstance(loaded, QuantizedWeight):  # each slice must be whole blocks
+            check_block_split(f"expert {expert} down projection", loaded.shape[1], loaded.shape[1] // n,
+                              loaded.block_type)
+        piece = loaded.narrow(1, off, n) if which == "down" else loaded.narrow(0, off, n)
+        if isinstance(piece, QuantizedWeight):
+            self.quantized_pieces[(local, which)] = piece
+            return
+        dest = param.data[local]
         if which == "down":
-            dest.copy_(loaded.narrow(1, off, n))
+            dest.copy_(piece)
         else:
-            dest.narrow(0, 0 if which == "gate" else n, n).copy_(loaded.narrow(0, off, n))
+            dest.narrow(0, 0 if which == "gate" else n, n).copy_(piece)
+
+    def quantize(self, make: Callable[[torch.Tensor], QuantizedWeight] | None, device: torch.device,
+                 dense: bool = False) -> bool:
+        """Each expert's weights as quantized matmuls: the blocks loaded, or made by `make` from the
+        float weights; with `dense`, loaded blocks are dequantized into the float weights instead.
+        True when the experts run quantized."""
+        pieces, self.quantized_pieces = self.quantized_pieces, {}
+        if pieces:
+            w13 = [[pieces[(e, "gate")], pieces[(e, "up")]] for e in range(self.num_local)]
+            w2 = [[pieces[(e, "down")]] for e in range(self.num_local)]
+        elif make is not None and not dense:
+            w13 = [[make(self.w13[e])] for e in range(self.num_local)]
+            w2 = [[make(self.w2[e])] for e in range(self.num_local)]
+        else:
+            return False
+        if dense:
+            for e in range(self.num_local):
+                self.w13.data[e] = torch.cat([w.dequantize() for w in w13[e]])
+                self.w2.data[e] = w2[e][0].dequantize()
+            return False
+        self.quant = [(QuantizedMatmul(a, device), QuantizedMatmul(b, device)) for a, b in zip(w13, w2)]
+        return True
 
     def forward(self, rows: torch.Tensor, rows_per_expert: list[int]) -> torch.Tensor:
         """rows grouped by local expert (rows_per_expert[e] consecutive rows for expert e)."""
-        out = rows.new_empty(rows.shape[0], self.w2.shape[1])
+        out = rows.new_empty(rows.shape[0], self.hidden)
         start = 0
         for e, n in enumerate(rows_per_expert):
             if n:
                 block = slice(start, start + n)
-                out[block] = F.linear(silu_and_mul(F.linear(rows[block], self.w13[e])), self.w2[e])
+                if self.quant is not None:
+                    gate_up, down = self.quant[e]
+                    out[block] = down(silu_and_mul(gate_up(rows[block])))
+                else:
+                    out[block] = F.linear(silu_and_mul(F.linear(rows[block], self.w13[e])), self.w2[e])
                 start += n
         return out
 

@@ -5,8 +5,9 @@ layers that adds up to a noticeable share of a small model's decode step on a CP
 runs the same operators in the same order, so its output is bit-identical
 (tests/engine/test_cpu_decoder_stack.py compares the two). It takes Llama-family layers with the
 dense SwiGLU MLP (bias on QKV allowed: Qwen2) on one tensor-parallel rank, float32 or bfloat16 on
-CPU with the CPU kernels built, for steps of the CPU attention backend; anything else (MoE, Qwen3's
-query/key norm, TP all-reduces, CUDA, another attention backend) keeps the module path.
+CPU with the CPU kernels built (the KV cache in that dtype or fp8), for steps of the CPU attention
+backend; anything else (MoE, Qwen3's query/key norm, TP all-reduces, CUDA, another attention
+backend) keeps the module path.
 MESHSERVE_DISABLE_CPU_KERNELS=1 turns it off with the other kernels.
 """
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 from torch import nn
 
 from meshserve.layers import cpu_gemm, cpu_kernels
-from meshserve.layers.attention import AttentionMetadata
+from meshserve.layers.attention import AttentionMetadata, PagedAttention
 from meshserve.layers.attention.cpu import CPUAttentionMetadata
 from meshserve.layers.attention.torch_ref import fresh_runs
 from meshserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -34,6 +35,7 @@ class StackAttention(Protocol):
     num_kv_heads: int
     head_dim: int
     rotary: RotaryEmbedding
+    attn: PagedAttention  # holds the layer's KV-cache scales
     qkv_proj: QKVParallelLinear
     o_proj: RowParallelLinear
 
@@ -73,6 +75,7 @@ class CPUDecoderStack:
         self.row_multiple = cpu_gemm.row_multiple(attn.qkv_proj.weight.dtype)
         self.gemv_max_rows = cpu_gemm.gemv_max_rows(attn.qkv_proj.weight.dtype)
         self.weights: list[torch.Tensor] = []
+        self.paged = [layer.attn.attn for layer in layers]  # their kv_scales, read at each call
         for layer in layers:  # the order of LayerWeight in decoder_stack.cpp
             a, m = layer.attn, layer.mlp
             self.weights += [layer.input_layernorm.weight, *_linear(a.qkv_proj), _or_none(a.qkv_proj.bias),
@@ -91,6 +94,8 @@ class CPUDecoderStack:
             a, m = layer.self_attn, layer.mlp
             if type(a) is not attention or type(m) is not mlp or a.o_proj.bias is not None:
                 return None
+            if not all(_runs_in_loop(x) for x in (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj)):
+                return None
             checked.append(_Layer(layer.input_layernorm, a, layer.post_attention_layernorm, m))
             if a.rotary is not checked[0].attn.rotary or layer.input_layernorm.eps != layers[0].input_layernorm.eps:
                 return None
@@ -100,7 +105,7 @@ class CPUDecoderStack:
 
     def accepts(self, h: torch.Tensor, kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> bool:
         """Only steps the CPU attention backend built: the loop repeats that backend's attention."""
-        return isinstance(meta, CPUAttentionMetadata) and h.dim() == 2 and cpu_kernels.usable(h, kv_caches[0])
+        return isinstance(meta, CPUAttentionMetadata) and h.dim() == 2 and cpu_kernels.decode_usable(h, kv_caches[0])
 
     def __call__(self, positions: torch.Tensor, h: torch.Tensor, kv_caches: list[torch.Tensor],
                  meta: CPUAttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -115,7 +120,8 @@ class CPUDecoderStack:
             h, self.weights, kv_caches, positions, self.cos, self.sin, meta.slot_mapping, groups, tables,
             meta.num_prefill_tokens, meta.decode_block_tables if decode else _NONE,
             meta.decode_context_lens if decode else _NONE, self.num_heads, self.num_kv_heads, self.head_dim,
-            self.eps, *self.packed_rows, self.row_multiple, self.gemv_max_rows)
+            self.eps, *self.packed_rows, self.row_multiple, self.gemv_max_rows,
+            [s for a in self.paged for s in a.kv_scales])
         return h, residual
 
 
@@ -124,5 +130,16 @@ def _or_none(t: torch.Tensor | None) -> torch.Tensor:
 
 
 def _linear(m: cpu_gemm.PrepackedMatmul) -> list[torch.Tensor]:
-    """[weight, oneDNN-packed weight or none]."""
-    return [m.weight, _or_none(m._packed)]
+    """[weight, oneDNN-packed weight or none, none], or for a quantized weight [blocks, block type,
+    row scales or none]."""
+    if m.quant is None:
+        return [m.weight, _or_none(m._packed), _NONE]
+    blocks = m.quant.blocks
+    assert blocks is not None, "CPUDecoderStack.build takes quantized weights of one run of CPU blocks only"
+    return [blocks.data, torch.tensor([int(blocks.block_type)]), _or_none(blocks.row_scale)]
+
+
+def _runs_in_loop(m: cpu_gemm.PrepackedMatmul) -> bool:
+    """A float weight, or quantized blocks of one type on the CPU (a weight in several block types
+    keeps the module path)."""
+    return m.quant is None or m.quant.blocks is not None

@@ -1,5 +1,6 @@
 """The rules of a decoder's geometry that the engine (ModelConfig) and the planner (ModelSpec) share:
-what makes a geometry valid, and how many bytes its KV cache takes."""
+what makes a geometry valid, and how many bytes its KV cache takes (per element too, by
+--kv-cache-dtype)."""
 from __future__ import annotations
 
 from meshserve.utils.checks import check_range
@@ -22,6 +23,21 @@ def check_geometry(where: str, *, hidden_size: int, num_layers: int, num_attenti
 def kv_entries_per_token(num_kv_heads: int, head_dim: int) -> int:
     """Cached elements per token and layer: a key and a value per KV head."""
     return 2 * num_kv_heads * head_dim
+
+
+# The engine's --kv-cache-dtype values besides auto (the compute dtype): fp8, one byte per element.
+FP8_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3", "fp8_e5m2")
+
+
+def kv_element_bytes(kv_cache_dtype: str, compute_element_bytes: int) -> int:
+    """Bytes of one cached key or value element for a --kv-cache-dtype value: 1 for fp8, else (auto)
+    the compute dtype's."""
+    if kv_cache_dtype in FP8_KV_CACHE_DTYPES:
+        return 1
+    if kv_cache_dtype != "auto":
+        raise ValueError(f"kv_cache_dtype must be auto or one of {', '.join(FP8_KV_CACHE_DTYPES)}, "
+                         f"got {kv_cache_dtype!r}")
+    return compute_element_bytes
 
 
 def kv_block_bytes(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, element_bytes: int) -> int:

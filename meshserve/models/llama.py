@@ -25,6 +25,13 @@ from meshserve.models.model_config import ModelConfig
 from meshserve.models.registry import register_model
 from meshserve.models.sharding import resolve_pipeline_split
 
+# A layer's KV-cache scales in the checkpoint (vLLM's k_scale / v_scale, under the names the fp8
+# quantizers write), for an fp8 KV cache; a cache in the compute dtype ignores them.
+KV_SCALE_NAMES = {".self_attn.k_scale": ("k",), ".self_attn.v_scale": ("v",), ".self_attn.k_proj.k_scale": ("k",),
+                  ".self_attn.v_proj.v_scale": ("v",), ".self_attn.k_proj.output_scale": ("k",),
+                  ".self_attn.v_proj.output_scale": ("v",), ".self_attn.kv_scale": ("k", "v")}
+_KV_SCALE_SUFFIXES = tuple(KV_SCALE_NAMES)
+
 
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding):
@@ -130,6 +137,8 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleDict({str(i): self.make_layer(cfg, i, rotary) for i in self.layer_range})
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if self.is_last else None
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size) if self.is_last else None
+        if cfg.tie_word_embeddings and self.embed_tokens is not None and self.lm_head is not None:
+            self.lm_head.weight = self.embed_tokens.weight  # one table for both, as the checkpoint has
         self.cpu_stack: CPUDecoderStack | None = None  # set by use_cpu_stack once the weights are packed
 
     def use_cpu_stack(self) -> None:
@@ -179,6 +188,9 @@ class LlamaForCausalLM(nn.Module):
                 layer = int(name.split(".")[2])
                 if layer not in self.layer_range:
                     continue
+                if name.endswith(_KV_SCALE_SUFFIXES):
+                    self.load_kv_scale(self.decoder_layers()[layer - self.layer_range.start], name, tensor)
+                    continue
             targets: list[tuple[str, object]] = []
             if name == "model.embed_tokens.weight":
                 targets.append(("embed_tokens.weight", None))
@@ -195,6 +207,17 @@ class LlamaForCausalLM(nn.Module):
                     load(p, tensor)
                 else:
                     load(p, tensor, shard)
+
+    @staticmethod
+    def load_kv_scale(layer: LlamaDecoderLayer, name: str, tensor: torch.Tensor) -> None:
+        """One of KV_SCALE_NAMES into the layer's PagedAttention; a per-head scale counts as its
+        largest (no stored value overflows)."""
+        attn = layer.self_attn.attn
+        value = float(tensor.float().max())
+        if not 0.0 < value < float("inf"):
+            raise ValueError(f"{name}: a KV-cache scale must be positive and finite, got {value}")
+        which = next(w for suffix, w in KV_SCALE_NAMES.items() if name.endswith(suffix))
+        attn.kv_scales = attn.kv_scales._replace(**dict.fromkeys(which, value))
 
     def checkpoint_target(self, local: str) -> tuple[str, object]:
         """(our parameter name, shard id or None) for a checkpoint tensor name without 'model.'."""

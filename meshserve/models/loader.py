@@ -22,6 +22,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from meshserve.layers.quantization.assemble import resolve_method
+from meshserve.layers.quantization.blocks import QuantizedWeight, block_type_of, check_block_split
+from meshserve.layers.quantization.reference import fp8_rows
+from meshserve.layers.weight_loader import Loaded
 from meshserve.models.model_config import ModelConfig
 from meshserve.models.registry import architecture_of_gguf, check_supported, model_class
 from meshserve.tokenizer import Tokenizer
@@ -48,6 +52,8 @@ class ModelSource:
     path: Path  # HF-style directory
     revision: str  # hash of the weights
     config: ModelConfig
+    gguf_path: Path | None = None  # the file a GGUF model came from: its blocks are read from there
+    checkpoint_quantization: str | None = None  # quantization_config.quant_method of a HF checkpoint
 
     @property
     def has_own_tokenizer(self) -> bool:
@@ -61,7 +67,28 @@ class ModelSource:
             return resolve_model("default").load_tokenizer()
         return Tokenizer.from_hf_dir(self.path)
 
-    def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def quantization_for(self, asked: str | None, tp_size: int = 1) -> str:
+        """The method this model runs with (what was asked, or what the checkpoint holds), checked
+        against the tensor-parallel size before any worker starts."""
+        method = resolve_method(asked, self.gguf_path is not None, self.checkpoint_quantization)
+        if method == "gguf" and tp_size > 1:
+            assert self.gguf_path is not None, "resolve_method keeps gguf for GGUF files only"
+            check_gguf_tensor_parallel(self.gguf_path, tp_size)
+        return method
+
+    def iter_weights(self, quantization: str = "none") -> Iterator[tuple[str, Loaded]]:
+        """(checkpoint name, weight) pairs: float tensors, or with quantization='gguf' the GGUF
+        file's blocks as stored; an fp8 checkpoint's weights come with their scales, as quantized
+        weights, whatever the method (the layers dequantize them where it is 'none')."""
+        if quantization == "gguf":
+            if self.gguf_path is None:
+                raise ValueError(f"quantization='gguf' reads a .gguf file; {self.model_id} is not one "
+                                 "(use none, int8 or fp8)")
+            yield from iter_gguf_weights(self.gguf_path, keep_blocks=True)
+            return
+        yield from with_fp8_scales(self._iter_safetensors())
+
+    def _iter_safetensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         from safetensors import safe_open
         files = sorted(self.path.glob("*.safetensors"))
         if not files:
@@ -70,6 +97,42 @@ class ModelSource:
             with safe_open(str(f), framework="pt") as st:
                 for name in st.keys():  # noqa: SIM118 (safe_open is no dict)
                     yield name, st.get_tensor(name)
+
+
+def with_fp8_scales(weights: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, Loaded]]:
+    """An fp8 checkpoint's weights joined with their scales (`X.weight` float8_e4m3fn with
+    `X.weight_scale`, per tensor or per output channel: fp8 rows as stored; with block scales
+    `X.weight_scale_inv` [N/b, K/b]: dequantized, as one scale per row cannot hold them).
+    Activation scales (`input_scale`) are dropped: the weights are read weight-only."""
+    weights_of: dict[str, torch.Tensor] = {}  # by layer name, each waiting for its partner
+    scales_of: dict[str, tuple[torch.Tensor, bool]] = {}  # (scale, block scales)
+    for name, t in weights:
+        if name.endswith(".input_scale"):
+            continue
+        if name.endswith((".weight_scale", ".weight_scale_inv")):
+            base = name.rsplit(".", 1)[0]
+            scales_of[base] = (t, name.endswith("_inv"))
+        elif name.endswith(".weight") and t.dtype == torch.float8_e4m3fn:
+            base = name.removesuffix(".weight")
+            weights_of[base] = t
+        else:
+            yield name, t
+            continue
+        if base in weights_of and base in scales_of:
+            scale, blocks = scales_of.pop(base)
+            yield base + ".weight", _fp8_weight(weights_of.pop(base), scale, blocks)
+    if weights_of or scales_of:
+        name = sorted([*weights_of, *scales_of])[0]
+        raise ValueError(f"fp8 checkpoint: {name} has a weight without a scale, or a scale without a weight")
+
+
+def _fp8_weight(weight: torch.Tensor, scale: torch.Tensor, block_scales: bool) -> torch.Tensor | QuantizedWeight:
+    if not block_scales:
+        return fp8_rows(weight, scale.float().reshape(-1))
+    n, k = weight.shape
+    bn, bk = -(-n // scale.shape[0]), -(-k // scale.shape[1])
+    full = scale.float().repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
+    return weight.float() * full
 
 
 def _file_sha256(paths: list[Path]) -> str:
@@ -196,38 +259,81 @@ def _split_experts(stacked: np.ndarray, layer: str, which: str, architecture: st
             for e in range(stacked.shape[0])}
 
 
-def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
-    """Dequantize a GGUF file into a HF-style directory (float32 safetensors)."""
+def iter_gguf_weights(gguf_path: Path, keep_blocks: bool = False) -> Iterator[tuple[str, Loaded]]:
+    """(HF checkpoint name, weight) for every tensor of a GGUF file: float32 tensors, or with
+    `keep_blocks` the 2-D weights of a block type the kernels read as `QuantizedWeight`s, the
+    file's bytes as stored (q/k rows put back in the checkpoint's order, whole rows at a time).
+    Routed experts are split per expert either way."""
     import gguf
-    from safetensors.torch import save_file
 
     reader = gguf.GGUFReader(str(gguf_path))
     fields = _gguf_fields(reader)
     cfg = gguf_config(fields)
     permuted_rope = fields.get("general.architecture") not in _GGUF_UNPERMUTED_ROPE
-    tensors: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
         if t.name in _GGUF_NAMES:
             name = _GGUF_NAMES[t.name]
         else:
             _, layer, rest = t.name.split(".", 2)
             if rest in _GGUF_EXPERT_TENSORS:
-                for ename, ew in _split_experts(_dequantize(t), layer, _GGUF_EXPERT_TENSORS[rest],
-                                                cfg.architecture).items():
-                    tensors[ename] = torch.from_numpy(np.ascontiguousarray(ew))
+                which = _GGUF_EXPERT_TENSORS[rest]
+                expert_type = block_type_of(t.tensor_type)
+                if keep_blocks and expert_type is not None:  # [experts, out, row bytes]
+                    stacked = np.array(t.data)
+                    for ename, ew in _split_experts(stacked, layer, which, cfg.architecture).items():
+                        yield ename, QuantizedWeight(torch.from_numpy(ew), expert_type, int(t.shape[0]))
+                    continue
+                for ename, ew in _split_experts(_dequantize(t), layer, which, cfg.architecture).items():
+                    yield ename, torch.from_numpy(np.ascontiguousarray(ew))
                 continue
             if rest not in _GGUF_LAYER_NAMES:
                 logger.warning("skipping unknown GGUF tensor %s", t.name)
                 continue
             name = f"model.layers.{layer}.{_GGUF_LAYER_NAMES[rest]}"
+        heads = (cfg.num_attention_heads if name.endswith(("q_proj.weight", "q_proj.bias"))
+                 else cfg.num_key_value_heads if name.endswith(("k_proj.weight", "k_proj.bias")) else 0)
+        block_type = block_type_of(t.tensor_type)
+        if keep_blocks and block_type is not None and len(t.shape) == 2:
+            rows = int(t.shape[1])
+            qw = QuantizedWeight(torch.from_numpy(np.array(t.data).reshape(rows, -1)), block_type, int(t.shape[0]))
+            if permuted_rope and heads:
+                qw = qw.permute_rows(torch.from_numpy(_unpermute_rope(np.arange(rows), heads)))
+            yield name, qw
+            continue
         w = _dequantize(t)
         if name.endswith("shared_expert_gate.weight"):
             w = w.reshape(1, -1)  # llama.cpp keeps this [hidden] vector 1-D
-        elif permuted_rope and name.endswith(("q_proj.weight", "q_proj.bias")):
-            w = _unpermute_rope(w, cfg.num_attention_heads)
-        elif permuted_rope and name.endswith(("k_proj.weight", "k_proj.bias")):
-            w = _unpermute_rope(w, cfg.num_key_value_heads)
-        tensors[name] = torch.from_numpy(np.ascontiguousarray(w))
+        elif permuted_rope and heads:
+            w = _unpermute_rope(w, heads)
+        yield name, torch.from_numpy(np.ascontiguousarray(w))
+
+
+# The tensors whose rows tensor parallelism splits by column (row-parallel layers).
+_GGUF_ROW_PARALLEL = ("attn_output.weight", "ffn_down.weight", "ffn_down_shexp.weight")
+
+
+def check_gguf_tensor_parallel(gguf_path: Path, tp_size: int) -> None:
+    """ValueError, before any worker starts, when a row-parallel tensor's blocks cannot be split
+    over `tp_size` ranks at block boundaries (the rule blocks.check_block_split states)."""
+    import gguf
+
+    for t in gguf.GGUFReader(str(gguf_path)).tensors:
+        block_type = block_type_of(t.tensor_type)
+        if block_type is not None and t.name.endswith(_GGUF_ROW_PARALLEL):
+            check_block_split(t.name, int(t.shape[0]), tp_size, block_type)
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
+    """Dequantize a GGUF file into a HF-style directory (float32 safetensors)."""
+    import gguf
+    from safetensors.torch import save_file
+
+    fields = _gguf_fields(gguf.GGUFReader(str(gguf_path)))
+    cfg = gguf_config(fields)
+    tensors: dict[str, torch.Tensor] = {}
+    for name, w in iter_gguf_weights(gguf_path):
+        assert isinstance(w, torch.Tensor)
+        tensors[name] = w
     cfg.tie_word_embeddings = "lm_head.weight" not in tensors
     if cfg.is_moe:  # GGUF has no key for dense layers among sparse ones: the tensors say which they are
         cfg.mlp_only_layers = [i for i in range(cfg.num_hidden_layers)
@@ -260,7 +366,7 @@ def _gguf_source(gguf_path: Path, model_id: str) -> ModelSource:
     if not (out / "config.json").exists():
         logger.info("converting %s to %s (first start only)", gguf_path.name, out)
         convert_gguf(gguf_path, out)
-    return ModelSource(model_id, out, revision, ModelConfig.from_json_file(out / "config.json"))
+    return ModelSource(model_id, out, revision, ModelConfig.from_json_file(out / "config.json"), gguf_path)
 
 
 def resolve_model(model: str | None, load_format: str = "auto") -> ModelSource:
@@ -284,4 +390,6 @@ def resolve_model(model: str | None, load_format: str = "auto") -> ModelSource:
     files = sorted(cfg_path.parent.glob("*.safetensors"))
     if not files:
         raise ValueError(f"{cfg_path.parent} has no *.safetensors files (use load_format='dummy' for random weights)")
-    return ModelSource(cfg_path.parent.name, cfg_path.parent, _file_sha256(files), cfg)
+    quant = json.loads(cfg_path.read_text()).get("quantization_config") or {}
+    return ModelSource(cfg_path.parent.name, cfg_path.parent, _file_sha256(files), cfg,
+                       checkpoint_quantization=quant.get("quant_method"))

@@ -46,6 +46,10 @@ class Calibration:
     # model runner: per step (embedding, packing, LM head and sampler calls) and per decoder layer.
     step_overhead_s: float | None = None
     layer_overhead_s: float | None = None
+    # The engine's quantized GEMV on a CPU (cpu_kernels.qgemv, blocks read as stored), by block format
+    # name ("Q4_1", "Q8_0", "INT8_ROWS"): [[rows, bytes/s of weights streamed], ...] at rising rows, the
+    # last the kernel's most; the bytes are the blocks' and any row scales.
+    quant_gemv_rates: dict[str, list[list[float]]] | None = None
 
     def to_gpu_spec(self) -> GPUSpec:
         """Measured constants stand in for every datasheet figure: they are achievable rates,
@@ -64,6 +68,8 @@ class Calibration:
             op_overhead_s=self.op_overhead_s or 0.0,
             step_overhead_s=self.step_overhead_s, layer_overhead_s=self.layer_overhead_s,
             is_cpu=self.device == "cpu",
+            quant_gemv_profile=tuple((name, tuple((int(r), float(b)) for r, b in rates))
+                                     for name, rates in (self.quant_gemv_rates or {}).items()),
             notes=f"measured on {self.device} ({self.matmul_dtype} matmul, {self.threads} threads) "
                   f"at {self.measured_at}")
 
@@ -80,6 +86,16 @@ def _mean_or_none(values: Sequence[float | None], rate: bool) -> float | None:
     return _mean(present, rate) if len(present) == len(values) else None
 
 
+def _average_rates(rates: Sequence[dict[str, list[list[float]]] | None]) -> dict[str, list[list[float]]] | None:
+    """Point by point, where every calibration measured the same formats at the same rows."""
+    present = [r for r in rates if r]
+    shapes = [{name: [row for row, _ in points] for name, points in r.items()} for r in present]
+    if not present or len(present) < len(rates) or any(shape != shapes[0] for shape in shapes):
+        return None
+    return {name: [[row, _mean([r[name][i][1] for r in present], True)] for i, (row, _) in enumerate(points)]
+            for name, points in present[0].items()}
+
+
 def average_calibrations(cals: Sequence[Calibration]) -> Calibration:
     """One calibration from several of the same machine (before and after a load, say): the time
     per unit of work is averaged, so rates take their harmonic mean."""
@@ -89,7 +105,7 @@ def average_calibrations(cals: Sequence[Calibration]) -> Calibration:
         profile = [[rows, _mean([p[i][1] for p in profiles], False)] for i, (rows, _) in enumerate(profiles[0])]
 
     return replace(
-        cals[0], gemm_profile=profile,
+        cals[0], gemm_profile=profile, quant_gemv_rates=_average_rates([c.quant_gemv_rates for c in cals]),
         matmul_flops=_mean([c.matmul_flops for c in cals], True),
         memory_bandwidth=_mean([c.memory_bandwidth for c in cals], True),
         allreduce_bandwidth=_mean([c.allreduce_bandwidth for c in cals], True),

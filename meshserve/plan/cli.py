@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from .calibration import Calibration, load_calibration
-from .units import KV_DTYPES, WEIGHT_DTYPES
+from .units import GGUF_DTYPES, KV_DTYPES, WEIGHT_BLOCK_TYPES, WEIGHT_DTYPES
 
 EPILOG = """examples:
   meshserve plan --model Qwen2.5-72B --gpu A100-80GB --gpu-memory-gib 80 --num-gpus 4 \\
@@ -16,6 +16,7 @@ EPILOG = """examples:
   meshserve plan --model Llama-3.3-70B --gpu H100-SXM --num-gpus 8 --weight-dtype fp8 \\
       --slo-ttft-ms 1500 --slo-itl-ms 80 --request-rate 2 --plot plan.png
   meshserve plan --calibrate --model SmolLM2-135M --weight-dtype fp32
+  meshserve plan --gpu this-machine --model SmolLM2-135M --weight-dtype q4_1 --embedding-dtype q8_0
   meshserve plan --list-models | --list-gpus
 """
 
@@ -35,7 +36,13 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     a("--gpus-per-node", type=int, help="GPUs per node (default: the GPU's usual 8)")
     a("--tensor-parallel-size", type=int, help="evaluate only layouts with this TP")
     a("--pipeline-parallel-size", type=int, help="evaluate only layouts with this PP")
-    a("--weight-dtype", choices=WEIGHT_DTYPES, default="bf16")
+    a("--weight-dtype", choices=WEIGHT_DTYPES, default="bf16",
+      help="the linear layers' storage: bf16, fp16, fp32; int8 and fp8 (1 byte + a float32 scale per output "
+           "row, as --quantization int8|fp8 stores them); the GGUF block types " + ", ".join(GGUF_DTYPES) +
+           " (bytes per value from the engine's block formats); int4 (a generic 4-bit, the packed nibble only)")
+    a("--embedding-dtype", choices=("auto", *WEIGHT_DTYPES), default="auto",
+      help="the token embedding's and LM head's storage; auto: the weight dtype for GGUF types (a file's "
+           "token_embd is often q8_0 or q6_k: say so), else the compute dtype (bf16 on a GPU, fp32 on a CPU)")
     a("--kv-cache-dtype", choices=KV_DTYPES, default="auto",
       help="auto: the weight dtype if 16/32-bit, else bf16")
     a("--max-model-len", type=int, help="context per sequence (default min(8192, model's))")
@@ -105,10 +112,25 @@ def _list_gpus() -> str:
     return "\n".join(lines + [f"{THIS_MACHINE}: measured by `meshserve plan --calibrate`"])
 
 
-def _calibrate(path: str | None, cpu_dtype: str) -> tuple[Calibration, Path]:
+# The quantized GEMV's formats a calibration measures besides the plan's own (the CPU kernel reads
+# the GGUF blocks and int8 rows, not fp8).
+CALIBRATED_QUANT_FORMATS = ("Q4_1", "Q8_0", "INT8_ROWS")
+
+
+def quant_formats_to_measure(*dtypes: str) -> list[str]:
+    """The block formats of the plan's dtypes the CPU kernel reads, then Q8_0 and int8 rows (Q4_1 too
+    when the plan names no GGUF format)."""
+    named = [t.name for d in dtypes if (t := WEIGHT_BLOCK_TYPES.get(d)) is not None and t.name != "FP8_E4M3_ROWS"]
+    gguf = any(d in GGUF_DTYPES for d in dtypes)
+    defaults = [f for f in CALIBRATED_QUANT_FORMATS if f != "Q4_1" or not gguf]
+    return list(dict.fromkeys(named + defaults))
+
+
+def _calibrate(path: str | None, cpu_dtype: str, quant_formats: list[str]) -> tuple[Calibration, Path]:
     """Measure this machine in a child process (`meshserve.calibration`: torch and the engine's
     kernels), then read what it wrote."""
-    argv = [sys.executable, "-m", "meshserve.calibration", "--cpu-dtype", cpu_dtype]
+    argv = [sys.executable, "-m", "meshserve.calibration", "--cpu-dtype", cpu_dtype,
+            "--quant-formats", ",".join(quant_formats)]
     if path:
         argv += ["--calibration-file", str(path)]
     done = subprocess.run(argv, stdout=subprocess.PIPE, text=True)
@@ -129,10 +151,13 @@ def run(args: argparse.Namespace) -> int:
         if args.gpu and args.gpu.lower() != THIS_MACHINE:
             raise ValueError(f"--calibrate plans for this machine; drop --gpu {args.gpu}")
         # On a CPU, measure in the dtype the plan's weights have (bf16 runs on AMX where there is one).
-        cal, path = _calibrate(args.calibration_file, "bfloat16" if args.weight_dtype == "bf16" else "float32")
+        cal, path = _calibrate(args.calibration_file, "bfloat16" if args.weight_dtype == "bf16" else "float32",
+                               quant_formats_to_measure(args.weight_dtype, args.embedding_dtype))
         gpu = cal.to_gpu_spec()
+        quant = "".join(f", {name} GEMV {rates[0][1] / 1e9:,.1f} GB/s"
+                        for name, rates in (cal.quant_gemv_rates or {}).items())
         print(f"calibrated {cal.device}: matmul {cal.matmul_flops / 1e9:,.1f} GFLOP/s "
-              f"({cal.matmul_dtype}), memory {cal.memory_bandwidth / 1e9:,.1f} GB/s, all-reduce "
+              f"({cal.matmul_dtype}), memory {cal.memory_bandwidth / 1e9:,.1f} GB/s{quant}, all-reduce "
               f"alpha {cal.allreduce_latency_s * 1e6:,.1f} us beta {cal.allreduce_bandwidth / 1e9:,.2f} "
               f"GB/s -> {path}", file=log)
         if not args.model:
@@ -151,6 +176,7 @@ def run(args: argparse.Namespace) -> int:
         model=get_model(args.model), gpu=gpu, num_gpus=args.num_gpus,
         gpus_per_node=args.gpus_per_node, tensor_parallel_size=args.tensor_parallel_size,
         pipeline_parallel_size=args.pipeline_parallel_size, weight_dtype=args.weight_dtype,
+        embedding_dtype=args.embedding_dtype,
         kv_cache_dtype=args.kv_cache_dtype, max_model_len=args.max_model_len,
         prompt_len=args.prompt_len, output_len=args.output_len,
         gpu_memory_utilization=args.gpu_memory_utilization,

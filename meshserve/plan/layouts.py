@@ -7,8 +7,10 @@ data-parallel group). A layout needs TP x PP x DP GPUs with or without EP; count
 TP x PP x DP x EP would count the same GPUs twice.
 
 Rejected: what the engine refuses (`models/sharding.tp_size_problem`, the same rule: TP must divide
-the attention heads and every MLP width, and divide or be a multiple of the KV heads), and PP deeper
-than the layers.
+the attention heads and every MLP width, and divide or be a multiple of the KV heads; for quantized
+weights `block_formats.check_block_split`, the engine's rule too: a row-parallel layer's inputs,
+o_proj's and down_proj's, split over the TP ranks only at the format's block boundaries), and PP
+deeper than the layers.
 Flagged (runs, but costs): KV-head replication, an uneven pipeline split (the fullest stage
 governs), a TP group that spans nodes (all-reduce over the inter-node network), a replica that
 spans nodes (stage sends over the network).
@@ -17,9 +19,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from meshserve.block_formats import BLOCK_FORMATS, check_block_split
 from meshserve.models.sharding import tp_size_problem
 
 from .specs import ModelSpec
+from .units import WEIGHT_BLOCK_TYPES
 
 
 @dataclass(frozen=True, order=True)
@@ -88,13 +92,52 @@ def enumerate_layouts(num_gpus: int, tp: int | None = None, pp: int | None = Non
             for e in ep_options(t)]
 
 
-def structural_check(spec: ModelSpec, layout: Layout, gpus_per_node: int) -> tuple[list[str], list[str]]:
-    """(reasons to reject, flags) that follow from the geometry and the topology alone."""
+def block_split_problems(spec: ModelSpec, tp: int, weight_dtype: str, ep: bool = False,
+                         embedding: bool = False) -> list[str]:
+    """Where a quantized weight dtype's blocks do not fit the layers at `tp`, in the words of the
+    engine's rule (`check_block_split`): the inputs of row-parallel layers (o_proj, down_proj) are cut
+    into TP runs, each of whole blocks; column-parallel layers (q/k/v, gate/up, the vocabulary) split
+    their rows, which is always fine, but their rows must hold whole blocks at any TP. `embedding`:
+    the dtype of the embedding and LM head only, whose rows are hidden_size long."""
+    block = WEIGHT_BLOCK_TYPES.get(weight_dtype)
+    if block is None:
+        return []
+    heads = spec.num_attention_heads
+    split = [("o_proj", heads * (spec.v_head_dim if spec.is_mla else spec.head_dim))]
+    split += [("down_proj", width) for width in spec.sharded_dims_for(ep).mlp_sizes]
+    whole = [("hidden_size", spec.hidden_size)]  # the inputs of q/k/v, gate/up and the embedding rows
+    whole += [(name, size) for name, size in (("q_lora_rank", spec.q_lora_rank), ("kv_lora_rank", spec.kv_lora_rank))
+              if size]
+    if ep and spec.is_moe:
+        whole.append(("experts' down_proj", spec.moe_intermediate_size))
+    if embedding:
+        whole, split = whole[:1], []
+    problems = []
+    for what, values in whole:
+        try:
+            check_block_split(what, values, 1, block)
+        except ValueError:
+            problems.append(f"{what}: rows of {values} values are not whole {block.name} blocks of "
+                            f"{BLOCK_FORMATS[block].values} values")
+    for what, values in split:
+        try:
+            check_block_split(what, values, tp, block)
+        except ValueError as exc:
+            problems.append(str(exc))
+    return problems
+
+
+def structural_check(spec: ModelSpec, layout: Layout, gpus_per_node: int,
+                     weight_dtype: str = "bf16") -> tuple[list[str], list[str]]:
+    """(reasons to reject, flags) that follow from the geometry, the weights' format and the topology."""
     errors, flags = [], []
     tp, pp, kv = layout.tp, layout.pp, spec.num_kv_heads
     problem = tp_size_problem(spec.sharded_dims_for(layout.ep), tp)
+    blocks = block_split_problems(spec, tp, weight_dtype, layout.ep) if problem is None else []
     if problem is not None:
         errors.append(f"fractional sharding at TP={tp}: {problem}")
+    elif blocks:
+        errors += [f"{weight_dtype} blocks cut at TP={tp}: {b}" for b in blocks]
     elif spec.is_mla and tp > 1:
         flags.append(f"MLA latent cache replicated on all {tp} TP ranks")
     elif tp > kv:

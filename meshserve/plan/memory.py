@@ -9,7 +9,11 @@ rank. Per rank:
     budget        = memory x utilization - weights on the rank - runtime reserve
     ceiling (seqs) = floor(budget / (KV bytes per token per rank x max_model_len))
 and the replica's ceiling is that of its fullest rank (the minimum over pipeline stages).
-Cache-block rounding, activation peaks beyond the reserve and quantization scales are ignored.
+Cache-block rounding and activation peaks beyond the reserve are ignored.
+Weight bytes (`WeightDtypes`, through units.weight_bytes): the linear layers in the weight dtype,
+int8/fp8 rows with their float32 row scale; the token embedding and LM head in the embedding dtype;
+norms, biases and the MoE router in the compute dtype. `weight_bytes_per_rank` is that figure for one
+rank, for the engine to log beside what it loaded.
 MoE: every resident expert costs memory, active or not. Without expert parallelism each rank holds a
 1/TP slice of every expert; with it (EP = TP) E/TP whole experts. The bytes per rank are the same
 either way: EP changes what is computed where and what travels, not the memory.
@@ -22,9 +26,9 @@ from typing import NamedTuple
 
 from meshserve.models.geometry import kv_entries_per_token
 
-from .params import ParamCounts
+from .params import ParamCounts, model_params
 from .specs import ModelSpec
-from .units import dtype_bytes
+from .units import dtype_bytes, kv_dtype_bytes, resolve_compute_dtype, resolve_embedding_dtype, weight_bytes
 
 
 def kv_heads_per_rank(spec: ModelSpec, tp: int) -> int:
@@ -53,7 +57,7 @@ def kv_entries_per_layer(spec: ModelSpec, tp: int = 1) -> int:
 
 def kv_bytes_per_token(spec: ModelSpec, kv_dtype: str) -> float:
     """Logical KV bytes per token for the whole model (no replication)."""
-    return spec.num_layers * kv_entries_per_layer(spec) * dtype_bytes(kv_dtype)
+    return spec.num_layers * kv_entries_per_layer(spec) * kv_dtype_bytes(kv_dtype)
 
 
 def stage_layer_counts(num_layers: int, pp: int) -> list[int]:
@@ -75,9 +79,20 @@ class StageShard:
     kv_entries: int     # cached elements per token on this rank, over the stage's layers
     moe_layers: int = 0           # layers of the stage with routed experts
     experts_active: float = 0.0   # the routed experts' share of `active`
+    # What quantized weights need (params.py): of `dense_read`, the parameters kept in the compute
+    # dtype and the quantized matrices' output rows on the rank; the experts' rows; of `stored`, the
+    # token embedding and an LM head of its own; the vocabulary rows of either on the rank.
+    plain: float = 0.0
+    rows: float = 0.0
+    expert_rows: float = 0.0
+    embedding: float = 0.0
+    head_stored: float = 0.0
+    vocab_rows: float = 0.0
 
 
-def shard_stages(spec: ModelSpec, counts: ParamCounts, tp: int, pp: int) -> list[StageShard]:
+def shard_stages(spec: ModelSpec, counts: ParamCounts, tp: int, pp: int, ep: bool = False) -> list[StageShard]:
+    """Each stage's rank. `ep` (expert parallelism) changes only where the routed experts' row
+    scales sit: whole experts on E/TP ranks, or a slice of every expert's inputs on each."""
     kv_share = kv_heads_per_rank(spec, tp) / spec.num_kv_heads  # k/v projection share per rank
     expert_frac = spec.experts_per_token / spec.num_experts if spec.is_moe else 1.0
     shards, start = [], 0
@@ -92,19 +107,75 @@ def shard_stages(spec: ModelSpec, counts: ParamCounts, tp: int, pp: int) -> list
         head = (counts.lm_head or counts.embedding) / tp if last else 0.0
         head_stored = head if (counts.lm_head or not first) else 0.0
         norm = counts.final_norm / tp if last else 0.0
+        expert_rows = sum((l.expert_rows + l.expert_whole_rows) / tp if ep else l.expert_rows / tp + l.expert_whole_rows
+                          for l in layers)
         shards.append(StageShard(
             num_layers=n, stored=body + experts + embedding + head_stored + norm,
             dense_read=body + norm, experts=experts, head=head,
             active=body + experts * expert_frac, kv_entries=n * kv_entries_per_layer(spec, tp),
-            moe_layers=sum(1 for l in layers if l.experts), experts_active=experts * expert_frac))
+            moe_layers=sum(1 for l in layers if l.experts), experts_active=experts * expert_frac,
+            plain=sum(l.plain / tp + l.kv_plain * kv_share for l in layers) + norm,
+            rows=sum(l.rows / tp + l.whole_rows + l.kv_rows * kv_share for l in layers),
+            expert_rows=expert_rows, embedding=embedding, head_stored=head_stored,
+            vocab_rows=spec.vocab_size / tp))
     return shards
+
+
+@dataclass(frozen=True)
+class WeightDtypes:
+    """How a model's weights are stored: linear layers in `weight`, the token embedding and LM head in
+    `embedding`, norms, biases and the router in `compute`."""
+
+    weight: str
+    embedding: str
+    compute: str
+
+    @classmethod
+    def resolve(cls, weight: str, embedding: str | None = None, compute: str | None = None,
+                cpu: bool = False) -> WeightDtypes:
+        """Defaults as units.resolve_compute_dtype / resolve_embedding_dtype give them."""
+        compute = compute or resolve_compute_dtype(weight, cpu)
+        return cls(weight, resolve_embedding_dtype(embedding, weight, compute), compute)
+
+    def plain_bytes(self, params: float) -> float:
+        return params * dtype_bytes(self.compute)
+
+    def dense_bytes(self, shard: StageShard) -> float:
+        """What every decode step reads of the stage's layers (not the experts or the head)."""
+        return weight_bytes(shard.dense_read - shard.plain, shard.rows, self.weight) + self.plain_bytes(shard.plain)
+
+    def expert_bytes(self, shard: StageShard) -> float:
+        return weight_bytes(shard.experts, shard.expert_rows, self.weight)
+
+    def head_bytes(self, shard: StageShard) -> float:
+        return weight_bytes(shard.head, shard.vocab_rows if shard.head else 0.0, self.embedding)
+
+    def stored_bytes(self, shard: StageShard) -> float:
+        vocab = shard.embedding + shard.head_stored
+        tables = (shard.embedding > 0) + (shard.head_stored > 0)
+        return (self.dense_bytes(shard) + self.expert_bytes(shard)
+                + weight_bytes(vocab, tables * shard.vocab_rows, self.embedding))
+
+
+def weight_bytes_per_rank(spec: ModelSpec, tp: int, pp: int, pp_rank: int, weight_dtype: str,
+                          embedding_dtype: str | None = None, *, compute_dtype: str | None = None,
+                          expert_parallel: bool = False) -> int:
+    """The planner's figure for the weight bytes one rank of pipeline stage `pp_rank` holds under
+    TP x PP, for the engine to log at start-up beside what it loaded. Dtypes are the planner's names
+    (units.WEIGHT_DTYPES; `dtype_for_block_type` names a BlockType); `embedding_dtype` and
+    `compute_dtype` default as the planner's do (None: the GPU defaults, bf16 for quantized weights;
+    pass "fp32" on a CPU). Stages split the layers evenly, earlier stages taking the remainder."""
+    if not 0 <= pp_rank < pp:
+        raise ValueError(f"pp_rank {pp_rank} is not a stage of {pp}")
+    dtypes = WeightDtypes.resolve(weight_dtype, embedding_dtype, compute_dtype)
+    return round(dtypes.stored_bytes(shard_stages(spec, model_params(spec), tp, pp, expert_parallel)[pp_rank]))
 
 
 @dataclass(frozen=True)
 class MemoryEstimate:
     """Bytes throughout; `*_per_gpu` figures are those of the fullest rank."""
 
-    weights_total_bytes: float        # logical: parameters x weight bytes, no replication
+    weights_total_bytes: float        # logical: the whole model's weight bytes, no replication
     weights_per_gpu_bytes: float
     kv_bytes_per_token: float         # logical, whole model
     kv_bytes_per_seq: float           # logical, one max_model_len sequence
@@ -141,12 +212,14 @@ class _StageRoom(NamedTuple):
 
 def estimate_memory(spec: ModelSpec, counts: ParamCounts, tp: int, pp: int, *, weight_dtype: str,
                     kv_dtype: str, memory_bytes: float, utilization: float, reserve_bytes: float,
-                    max_model_len: int) -> MemoryEstimate:
-    wbytes, kvbytes = dtype_bytes(weight_dtype), dtype_bytes(kv_dtype)
+                    max_model_len: int, embedding_dtype: str | None = None, compute_dtype: str | None = None,
+                    ep: bool = False) -> MemoryEstimate:
+    dtypes = WeightDtypes.resolve(weight_dtype, embedding_dtype, compute_dtype)
+    kvbytes = kv_dtype_bytes(kv_dtype)
     usable = memory_bytes * utilization
     rooms = []
-    for shard in shard_stages(spec, counts, tp, pp):
-        weights = shard.stored * wbytes
+    for shard in shard_stages(spec, counts, tp, pp, ep):
+        weights = dtypes.stored_bytes(shard)
         available = usable - weights - reserve_bytes
         per_token = shard.kv_entries * kvbytes
         free = max(available, 0.0)
@@ -155,7 +228,7 @@ def estimate_memory(spec: ModelSpec, counts: ParamCounts, tp: int, pp: int, *, w
     logical_per_token = kv_bytes_per_token(spec, kv_dtype)
     # The fullest rank (least KV room) sets the replica's limits.
     return MemoryEstimate(
-        weights_total_bytes=counts.total * wbytes,
+        weights_total_bytes=dtypes.stored_bytes(shard_stages(spec, counts, 1, 1)[0]),
         weights_per_gpu_bytes=max(r.weights for r in rooms),
         kv_bytes_per_token=logical_per_token,
         kv_bytes_per_seq=logical_per_token * max_model_len,

@@ -8,13 +8,23 @@ from meshserve.config import CPU_PREFILL_CHUNK_WITH_DECODES
 from meshserve.utils.checks import check_range
 
 from .goodput import OperatingPoint, Workload, operating_point, slo_capacity
-from .layouts import Layout, enumerate_layouts, structural_check
-from .memory import MemoryEstimate, estimate_memory, shard_stages
+from .layouts import Layout, block_split_problems, enumerate_layouts, structural_check
+from .memory import MemoryEstimate, WeightDtypes, estimate_memory, shard_stages
 from .params import model_params
 from .simulate import SimulatedLatency, simulate
 from .specs import GPUSpec, ModelSpec
 from .timing import PerfModel, kv_handoff_time, links_for
-from .units import GB, GiB, activation_bytes, dtype_bytes, resolve_kv_dtype
+from .units import (
+    GB,
+    WEIGHT_DTYPES,
+    GiB,
+    check_weight_dtype,
+    dtype_bytes,
+    kv_dtype_bytes,
+    resolve_compute_dtype,
+    resolve_embedding_dtype,
+    resolve_kv_dtype,
+)
 
 DEFAULT_MAX_MODEL_LEN = 8192
 DATASHEET_COMPUTE_EFFICIENCY = 0.7  # dense GEMMs reach roughly 60-80% of datasheet peak
@@ -30,6 +40,7 @@ class ResolvedConfig:
     output_len: int
     compute_efficiency: float
     prefill_chunk_with_decodes: int
+    compute_dtype: str = "bf16"  # activations, norms and biases (units.resolve_compute_dtype)
 
 
 @dataclass
@@ -43,6 +54,8 @@ class PlanConfig:
     tensor_parallel_size: int | None = None
     pipeline_parallel_size: int | None = None
     weight_dtype: str = "bf16"
+    # The token embedding's and LM head's; None/"auto": a GGUF dtype's own, else the compute dtype.
+    embedding_dtype: str | None = None
     kv_cache_dtype: str = "auto"
     max_model_len: int | None = None
     prompt_len: int | None = None
@@ -80,8 +93,16 @@ class PlanConfig:
         return self._resolved
 
     def validate(self) -> PlanConfig:
-        dtype_bytes(self.weight_dtype)
-        self.kv_cache_dtype = resolve_kv_dtype(self.kv_cache_dtype, self.weight_dtype)
+        check_weight_dtype(self.weight_dtype)
+        compute_dtype = resolve_compute_dtype(self.weight_dtype, self.gpu.is_cpu)
+        self.embedding_dtype = resolve_embedding_dtype(self.embedding_dtype, self.weight_dtype, compute_dtype)
+        self.kv_cache_dtype = resolve_kv_dtype(self.kv_cache_dtype, self.weight_dtype, compute_dtype)
+        for flag, dtype, vocab in (("--weight-dtype", self.weight_dtype, False),
+                                   ("--embedding-dtype", self.embedding_dtype, True)):
+            if problems := block_split_problems(self.model, 1, dtype, embedding=vocab):
+                fitting = [d for d in WEIGHT_DTYPES if not block_split_problems(self.model, 1, d, embedding=vocab)]
+                raise ValueError(f"{flag} {dtype} does not fit {self.model.name}: {'; '.join(problems)} "
+                                 f"(dtypes that fit: {', '.join(fitting)})")
         if self.gpu_memory_gib is not None:
             check_range("--gpu-memory-gib", self.gpu_memory_gib, 0, lo_open=True)
             self.gpu = replace(self.gpu, memory_bytes=self.gpu_memory_gib * GiB)
@@ -128,8 +149,13 @@ class PlanConfig:
             raise ValueError(f"--enable-expert-parallel needs a mixture-of-experts model; {self.model.name} is dense")
         self.layouts()
         self._resolved = ResolvedConfig(self.gpus_per_node, self.max_model_len, self.prompt_len, self.output_len,
-                                        self.compute_efficiency, self.prefill_chunk_with_decodes)
+                                        self.compute_efficiency, self.prefill_chunk_with_decodes, compute_dtype)
         return self
+
+    @property
+    def dtypes(self) -> WeightDtypes:
+        """The weights' dtypes as `validate()` resolved them."""
+        return WeightDtypes(self.weight_dtype, self.embedding_dtype or self.weight_dtype, self.resolved.compute_dtype)
 
     def layouts(self) -> list[Layout]:
         return enumerate_layouts(self.num_gpus, self.tensor_parallel_size, self.pipeline_parallel_size,
@@ -207,11 +233,13 @@ class PlanResult:
 def make_perf_model(spec: ModelSpec, gpu: GPUSpec, tp: int, pp: int, *, weight_dtype: str,
                     kv_dtype: str, gpus_per_node: int, compute_efficiency: float,
                     bandwidth_efficiency: float = 1.0, dp: int = 1, ep: bool = False,
-                    moe_load_max_to_mean: float | None = None) -> PerfModel:
+                    moe_load_max_to_mean: float | None = None, embedding_dtype: str | None = None,
+                    compute_dtype: str | None = None) -> PerfModel:
     layout = Layout(tp, pp, dp, ep)
-    return PerfModel(spec=spec, gpu=gpu, stages=tuple(shard_stages(spec, model_params(spec), tp, pp)),
-                     tp=tp, weight_bytes=dtype_bytes(weight_dtype), kv_bytes=dtype_bytes(kv_dtype),
-                     act_bytes=activation_bytes(weight_dtype),
+    dtypes = WeightDtypes.resolve(weight_dtype, embedding_dtype, compute_dtype, gpu.is_cpu)
+    return PerfModel(spec=spec, gpu=gpu, stages=tuple(shard_stages(spec, model_params(spec), tp, pp, ep)),
+                     tp=tp, dtypes=dtypes, kv_bytes=kv_dtype_bytes(kv_dtype),
+                     act_bytes=dtype_bytes(dtypes.compute),
                      flops=gpu.peak_flops(weight_dtype) * compute_efficiency,
                      bandwidth=gpu.hbm_bandwidth * bandwidth_efficiency,
                      links=links_for(gpu, layout.tp_spans_nodes(gpus_per_node),
@@ -221,14 +249,15 @@ def make_perf_model(spec: ModelSpec, gpu: GPUSpec, tp: int, pp: int, *, weight_d
 
 def evaluate(cfg: PlanConfig, layout: Layout) -> LayoutPlan:
     spec, gpu, res = cfg.model, cfg.gpu, cfg.resolved
-    errors, flags = structural_check(spec, layout, res.gpus_per_node)
+    errors, flags = structural_check(spec, layout, res.gpus_per_node, cfg.weight_dtype)
     plan = LayoutPlan(layout, errors, flags)
     if errors:
         return plan
     mem = estimate_memory(spec, model_params(spec), layout.tp, layout.pp,
                           weight_dtype=cfg.weight_dtype, kv_dtype=cfg.kv_cache_dtype,
                           memory_bytes=gpu.memory_bytes, utilization=cfg.gpu_memory_utilization,
-                          reserve_bytes=cfg.runtime_reserve_gib * GiB, max_model_len=res.max_model_len)
+                          reserve_bytes=cfg.runtime_reserve_gib * GiB, max_model_len=res.max_model_len,
+                          embedding_dtype=cfg.dtypes.embedding, compute_dtype=res.compute_dtype, ep=layout.ep)
     plan.memory = mem
     if not mem.weights_fit:
         plan.reasons.append(f"weights do not fit: {mem.weights_per_gpu_bytes / GiB:.2f} GiB per GPU "
@@ -244,7 +273,8 @@ def evaluate(cfg: PlanConfig, layout: Layout) -> LayoutPlan:
                            kv_dtype=cfg.kv_cache_dtype, gpus_per_node=res.gpus_per_node,
                            compute_efficiency=res.compute_efficiency,
                            bandwidth_efficiency=cfg.bandwidth_efficiency, dp=layout.dp, ep=layout.ep,
-                           moe_load_max_to_mean=cfg.moe_load_max_to_mean)
+                           moe_load_max_to_mean=cfg.moe_load_max_to_mean, embedding_dtype=cfg.dtypes.embedding,
+                           compute_dtype=res.compute_dtype)
     work = cfg.workload
     plan.perf = perf
     plan.decode_batch1_s = perf.decode_step_time(1, work.prompt_len + work.output_len / 2)

@@ -5,9 +5,10 @@ import math
 from dataclasses import asdict
 from typing import Any
 
+from .memory import shard_stages
 from .params import model_params
 from .planner import LayoutPlan, PlanConfig, PlanResult
-from .units import GB, GiB, dtype_bytes
+from .units import GB, GiB
 
 
 def _ms(seconds: float | None) -> str:
@@ -43,7 +44,9 @@ def header(result: PlanResult) -> list[str]:
     c, m, g = result.config, result.config.model, result.config.gpu
     res = c.resolved
     counts = model_params(m)
-    wb = counts.total * dtype_bytes(c.weight_dtype)
+    dtypes = c.dtypes
+    wb = dtypes.stored_bytes(shard_stages(m, counts, 1, 1)[0])
+    dtype_names = c.weight_dtype + (f" ({dtypes.embedding} embeddings)" if dtypes.embedding != c.weight_dtype else "")
     kv_tok = next((p.memory.kv_bytes_per_token for p in result.plans if p.memory), 0.0)
     active = (f", {_count(counts.active(m))} active ({m.experts_per_token} of {m.num_experts} experts per "
               f"token)" if m.is_moe else "")
@@ -52,7 +55,7 @@ def header(result: PlanResult) -> list[str]:
     rate = f"{c.request_rate:g} req/s" if c.request_rate else "not given (ranked by SLO capacity)"
     return [
         f"Model  {m.name} ({m.kind}): {_count(counts.total)} parameters{active}; "
-        f"{c.weight_dtype} weights {wb / GB:,.2f} GB = {wb / GiB:,.2f} GiB",
+        f"{dtype_names} weights {wb / GB:,.2f} GB = {wb / GiB:,.2f} GiB",
         f"KV     {c.kv_cache_dtype}: {kv_tok:,.0f} bytes/token, {kv_tok * res.max_model_len / GiB:,.3f} GiB "
         f"= {kv_tok * res.max_model_len / GB:,.3f} GB per {res.max_model_len:,}-token sequence",
         f"GPU    {c.num_gpus} x {g.name} ({res.gpus_per_node} per node): {g.memory_bytes / GiB:,.2f} GiB, "
@@ -184,6 +187,7 @@ def to_dict(result: PlanResult) -> dict[str, object]:
     c = result.config
     counts = model_params(c.model)
     inputs = {k: v for k, v in asdict(c).items() if k not in ("model", "gpu", "notes", "_resolved")}
+    inputs["compute_dtype"] = c.resolved.compute_dtype
     best = result.recommended
     doc: dict[str, object] = {
         "model": {**asdict(c.model), "params": counts.total, "active_params": counts.active(c.model),

@@ -112,6 +112,10 @@ class GPUSpec:
     step_overhead_s: float | None = None  # the engine's own fixed costs (CPU calibration)
     layer_overhead_s: float | None = None
     is_cpu: bool = False  # a calibrated CPU: the engine's CPU defaults apply
+    # Measured only (a CPU): the engine's quantized GEMV streaming blocks as stored, by block format
+    # name: ((rows, bytes/s), ...) at rising row counts, the last its largest (past it the engine
+    # dequantizes and takes the float matmul).
+    quant_gemv_profile: tuple[tuple[str, tuple[tuple[int, float], ...]], ...] = ()
 
     def __post_init__(self) -> None:
         for field in ("memory_bytes", "hbm_bandwidth", "bf16_flops", "fp32_flops",
@@ -132,9 +136,28 @@ class GPUSpec:
         r_max, t_max = profile[-1]
         return t_max * rows / r_max
 
+    def quantized_gemv_rows(self, block: str) -> int | None:
+        """The most rows the quantized GEMV was measured at for a block format; None: unmeasured."""
+        profile = dict(self.quant_gemv_profile).get(block)
+        return profile[-1][0] if profile else None
+
+    def quantized_seconds_per_byte(self, block: str, rows: float) -> float | None:
+        """Seconds per stored byte of a linear layer in block format `block` through the quantized
+        GEMV: interpolated between measured row counts (fewer rows than the first: the first); None
+        where unmeasured or past the largest measured count."""
+        profile = dict(self.quant_gemv_profile).get(block)
+        if not profile or rows > profile[-1][0]:
+            return None
+        rows = max(rows, profile[0][0])
+        for (r0, b0), (r1, b1) in zip(profile, profile[1:]):
+            if rows <= r1:
+                return 1 / b0 + (1 / b1 - 1 / b0) * (rows - r0) / (r1 - r0)
+        return 1 / profile[-1][1]
+
     def peak_flops(self, weight_dtype: str) -> float:
         """Dense matmul FLOP/s for the weight dtype. fp8 uses fp8 tensor cores where the GPU
-        has them (W8A8); int4 (and fp8 without fp8 units) is weight-only and computes in bf16."""
+        has them (W8A8); int8, int4, the GGUF formats (and fp8 without fp8 units) are weight-only
+        and compute in bf16."""
         if weight_dtype == "fp32":
             return self.fp32_flops
         if weight_dtype == "fp8" and self.fp8_flops:

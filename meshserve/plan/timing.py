@@ -29,6 +29,10 @@ its row count (the LM head at the sampled rows); prompt attention adds cache byt
 FLOPs at the measured causal-attention rate, decode attention its FLOPs at the measured rate of the
 engine's paged decode kernel (cache reads included; where unmeasured, as prompt attention); each
 layer's OPS_PER_LAYER kernel calls pay the measured host time per call.
+Quantized weights (int8, fp8, GGUF blocks): bytes as stored (units.weight_bytes), read at the
+measured rate of the engine's quantized GEMV where the calibration measured the format (up to its
+rows; past them the engine dequantizes and runs the float matmul), else at the memory bandwidth (the
+roofline) or the float layer profile per byte. The LM head is in the embedding dtype.
 MoE routing: b tokens choosing k of E experts uniformly touch E(1 - (1 - k/E)^b) experts.
 Expert parallelism (EP = TP ranks per stage, experts split whole): in each MoE layer a rank routes
 its b/N tokens and sends one row of `hidden` activations per (token, expert) pair whose expert lives
@@ -49,8 +53,9 @@ from functools import cached_property
 from statistics import NormalDist
 from typing import Concatenate, ParamSpec
 
-from .memory import StageShard
+from .memory import StageShard, WeightDtypes
 from .specs import GPUSpec, ModelSpec
+from .units import WEIGHT_BLOCK_TYPES, dtype_bytes
 
 _P = ParamSpec("_P")
 
@@ -151,7 +156,7 @@ class PerfModel:
     gpu: GPUSpec
     stages: tuple[StageShard, ...]
     tp: int
-    weight_bytes: float
+    dtypes: WeightDtypes
     kv_bytes: float
     act_bytes: float
     flops: float            # achievable FLOP/s per rank
@@ -225,17 +230,18 @@ class PerfModel:
         profile (`meshserve plan --calibrate`) the measured costs."""
         skew = self.rank_imbalance(tokens)
         touched = experts_touched_fraction(self.spec, tokens, self.ep, skew)
-        body_bytes = (stage.dense_read + stage.experts * touched) * self.weight_bytes
-        head_bytes = stage.head * self.weight_bytes
+        d = self.dtypes
+        body_bytes = d.dense_bytes(stage) + d.expert_bytes(stage) * touched
+        head_bytes = d.head_bytes(stage)
         kv_bytes_per_token = stage.kv_entries * self.kv_bytes
         flops_per_pair = self._attn_flops_per_ctx_token(stage)
-        per_byte = self.gpu.linear_seconds_per_byte(tokens)
-        if per_byte is not None and not self.spec.is_moe:
+        if self.gpu.linear_seconds_per_byte(tokens) is not None and not self.spec.is_moe:
             # Each linear layer costs what the profile measured for its row count (the LM head
             # has only the sampled rows); the cache traffic and attention arithmetic add up, the
             # decodes' at the engine's measured decode-kernel rate where there is one, and every
             # kernel call pays the host's launch time.
-            linear = body_bytes * per_byte + head_bytes * (self.gpu.linear_seconds_per_byte(head_tokens) or 0.0)
+            linear = ((self._measured_linear(body_bytes, stage.dense_read, d.weight, tokens) or 0.0)
+                      + (self._measured_linear(head_bytes, stage.head, d.embedding, head_tokens) or 0.0))
             prefill_rate = self.gpu.attention_flops or self.flops
             attention = (prompt_tokens * kv_bytes_per_token / self.bandwidth
                          + prompt_pairs * flops_per_pair / prefill_rate)
@@ -248,8 +254,32 @@ class PerfModel:
                         + 2 * head_tokens * stage.head)
         kv_bytes = (prompt_tokens + decode_pairs) * kv_bytes_per_token
         attn_flops = (prompt_pairs + decode_pairs) * flops_per_pair
-        return (max((body_bytes + head_bytes) / self.bandwidth, linear_flops / self.flops)
+        weight_read = self._stream(body_bytes, d.weight, tokens) + self._stream(head_bytes, d.embedding, head_tokens)
+        return (max(weight_read, linear_flops / self.flops)
                 + max(kv_bytes / self.bandwidth, attn_flops / self.flops))
+
+    def _stream(self, nbytes: float, dtype: str, rows: float) -> float:
+        """Seconds to read weights in a dtype for `rows` rows: at the quantized GEMV's measured rate
+        where its format was measured (`meshserve plan --calibrate`), else at the memory bandwidth."""
+        block = WEIGHT_BLOCK_TYPES.get(dtype)
+        per_byte = self.gpu.quantized_seconds_per_byte(block.name, rows) if block is not None else None
+        return nbytes * per_byte if per_byte is not None else nbytes / self.bandwidth
+
+    def _measured_linear(self, nbytes: float, values: float, dtype: str, rows: float) -> float | None:
+        """Seconds for `rows` rows through linear layers of `values` weights stored in `dtype`
+        (`nbytes`), as measured: the quantized GEMV where the format was measured, and past the rows
+        it takes the engine's dequantization (the blocks read, the float weight written) and its float
+        matmul over that weight; the float layer profile per stored byte otherwise."""
+        block = WEIGHT_BLOCK_TYPES.get(dtype)
+        per_byte = self.gpu.linear_seconds_per_byte(rows)
+        if block is not None:
+            quantized = self.gpu.quantized_seconds_per_byte(block.name, rows)
+            if quantized is not None:
+                return nbytes * quantized
+            if self.gpu.quantized_gemv_rows(block.name) is not None and per_byte is not None:
+                dense = values * dtype_bytes(self.dtypes.compute)
+                return dense * per_byte + (nbytes + dense) / self.bandwidth
+        return None if per_byte is None else nbytes * per_byte
 
     def _activation_traffic(self, stage: StageShard, tokens: float) -> float:
         """The element-wise passes between the matmuls (norms, residual adds, rotary, the

@@ -15,17 +15,19 @@ from meshserve.config import CPU_DEFAULT_KV_BYTES, EngineConfig
 from meshserve.distributed.expert_load import ExpertLoadRecorder
 from meshserve.distributed.parallel_state import get_parallel_state
 from meshserve.layers import cpu_kernels
-from meshserve.layers.attention import AttentionSpec, select_backend
+from meshserve.layers.attention import AttentionSpec, kv_cache_dtype, select_backend
 from meshserve.layers.cpu_gemm import prepack_model, warm_up_packed
 from meshserve.layers.host_to_device import to_device
 from meshserve.layers.moe import SparseMoeBlock
+from meshserve.layers.quantization.assemble import assemble_quantized
 from meshserve.layers.sampler import Sampler, SamplerOutput
-from meshserve.models.geometry import kv_block_bytes
+from meshserve.models.geometry import kv_block_bytes, kv_element_bytes
 from meshserve.models.llama import LlamaForCausalLM
 from meshserve.models.loader import ModelSource
 from meshserve.models.model_config import ModelConfig
 from meshserve.models.registry import model_class
 from meshserve.sampling_params import SamplingParams
+from meshserve.utils.heap import release_free_heap
 from meshserve.worker.cuda_graphs import DecodeGraphInputs, DecodeGraphs, capture_sizes, graphs_disabled_reason
 from meshserve.worker.memory_budget import (
     DeviceMemoryProfile,
@@ -36,6 +38,7 @@ from meshserve.worker.memory_budget import (
 )
 from meshserve.worker.step import StepInput
 from meshserve.worker.step_packing import PackedStep, pack_step
+from meshserve.worker.weight_report import describe_weights
 
 logger = logging.getLogger(__name__)
 
@@ -75,14 +78,24 @@ class ModelRunner:
             logger.info("dtype %s (%s)", str(self.dtype).removeprefix("torch."), dtype_reason)
         self.block_size = config.block_size
         self.max_model_len = max_model_len
+        # The KV cache's elements: the compute dtype, or fp8 (--kv-cache-dtype), one byte each.
+        self.kv_dtype = kv_cache_dtype(config.kv_cache_dtype, self.dtype)
+        if self.ps.rank == 0:
+            logger.info("KV cache dtype %s (--kv-cache-dtype %s)", str(self.kv_dtype).removeprefix("torch."),
+                        config.kv_cache_dtype)
         cfg = source.config
         torch.manual_seed(config.seed)
         dummy = config.load_format == "dummy"
         model = _build_model(model_class(cfg.architecture), cfg, config.pipeline_split, self.device, self.dtype, dummy)
+        method = config.quantization or "none"  # resolved by the engine
         if dummy:
             _init_dummy_(model, config.seed + self.ps.rank, self.device)
         else:
-            model.load_weights(source.iter_weights())
+            model.load_weights(source.iter_weights(method))
+        self.weight_bytes = assemble_quantized(model, method, self.device, self.dtype)
+        release_free_heap()
+        logger.info("rank %d: quantization %s: %s", self.ps.rank, method,
+                    describe_weights(model, cfg, self.weight_bytes, self.ps, self.dtype, config.enable_expert_parallel))
         self.model = model.to(device=self.device).eval()
         for p in self.model.parameters():
             p.data = p.data.to(self.dtype)  # buffers (rotary tables) stay float32: bf16 positions lose precision
@@ -140,7 +153,8 @@ class ModelRunner:
     # ---- KV cache ----------------------------------------------------------------------
     @property
     def block_bytes(self) -> int:
-        elem = torch.tensor([], dtype=self.dtype).element_size()
+        elem = kv_element_bytes(self.config.kv_cache_dtype, self.dtype.itemsize)
+        assert elem == self.kv_dtype.itemsize, "the geometry's rule and the allocation agree"
         return kv_block_bytes(len(self.model.layers), self.num_kv_heads, self.head_dim, self.block_size, elem)
 
     def num_kv_blocks(self) -> int:
@@ -157,7 +171,7 @@ class ModelRunner:
 
     def _dummy_kv_cache(self) -> list[torch.Tensor]:
         shape = (2, 1, self.block_size, self.num_kv_heads, self.head_dim)
-        return [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.model.layers]
+        return [torch.zeros(shape, dtype=self.kv_dtype, device=self.device) for _ in self.model.layers]
 
     @torch.inference_mode()
     def run_profile_steps(self, kv_caches: list[torch.Tensor]) -> None:
@@ -212,7 +226,7 @@ class ModelRunner:
         """With CUDA graphs one spare block past `num_blocks` takes the padding rows' K/V."""
         spare = 1 if self.graph_sizes else 0
         shape = (2, num_blocks + spare, self.block_size, self.num_kv_heads, self.head_dim)
-        self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.model.layers]
+        self.kv_caches = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device) for _ in self.model.layers]
         if self.graph_sizes:
             self._capture_graphs(pad_block=num_blocks)
 

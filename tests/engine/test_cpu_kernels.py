@@ -426,14 +426,15 @@ def test_packing_off_when_disabled_or_not_float32_or_bf16(monkeypatch):
 
 def test_engine_with_cpu_kernels_generates_as_without(monkeypatch):
     """End to end on the default model: packed matmuls, fused norms/rotary/SiLU and the decode
-    kernel against the plain PyTorch path, greedy ids and top logprobs."""
+    kernel against the plain PyTorch path, greedy ids and top logprobs (float32 weights: the quantized
+    GEMV is tested against its own reference in test_quant_gemv.py)."""
     from meshserve import LLM, SamplingParams
 
     prompts = [list(range(200, 230)), "The capital of France is", list(range(5000, 5100))]
     params = SamplingParams(temperature=0, max_tokens=12, logprobs=3, ignore_eos=True)
 
     def run():
-        llm = LLM("default", dtype="float32", max_model_len=256, kv_cache_memory_bytes=16 << 20)
+        llm = LLM("default", dtype="float32", quantization="none", max_model_len=256, kv_cache_memory_bytes=16 << 20)
         try:
             return llm.generate(prompts, params)
         finally:
@@ -460,7 +461,7 @@ def test_bf16_engine_follows_float32_greedy():
     params = SamplingParams(temperature=0, max_tokens=6, logprobs=1, ignore_eos=True)
 
     def run(dtype):
-        llm = LLM("default", dtype=dtype, max_model_len=128, kv_cache_memory_bytes=16 << 20)
+        llm = LLM("default", dtype=dtype, quantization="none", max_model_len=128, kv_cache_memory_bytes=16 << 20)
         try:
             return llm.generate(prompts, params)
         finally:

@@ -1,7 +1,8 @@
 """The attention backends, each made from the registry and given the same packed step, compute the
 same attention: the Triton kernels (run here by the Triton interpreter on CPU tensors), the CPU
 backend and the PyTorch reference, on mixed steps (fresh prompts, a prefix hit, a chunk after
-earlier chunks and ragged decodes) under grouped-query attention and several block sizes; decode
+earlier chunks and ragged decodes) under grouped-query attention and several block sizes, on a
+cache in the compute dtype and on an fp8 one (--kv-cache-dtype, with per-layer scales); decode
 split-K equals no split; and the launch geometry always gives tl.dot tiles of at least 16."""
 import os
 
@@ -11,7 +12,8 @@ import pytest
 import torch
 
 from meshserve.layers import paged_launch
-from meshserve.layers.attention import AttentionSpec, create_backend
+from meshserve.layers.attention import AttentionSpec, KVScales, create_backend
+from meshserve.layers.attention.base import UNIT_SCALES
 from meshserve.layers.attention.triton_backend import TritonAttentionMetadata
 from meshserve.worker.step import SeqStep, StepInput
 from meshserve.worker.step_packing import pack_step
@@ -42,7 +44,7 @@ def _mixed_step(block_size: int, gen: torch.Generator) -> tuple[StepInput, int]:
     return StepInput(seqs), len(order)
 
 
-def _run_backend(name, packed, spec, q, k, v, cache):
+def _run_backend(name, packed, spec, q, k, v, cache, scales=UNIT_SCALES):
     """(attention output, cache after the step) of one backend from the registry."""
     backend = create_backend(name, spec, CPU)
     _, _, meta = backend.build_inputs(packed)
@@ -51,11 +53,13 @@ def _run_backend(name, packed, spec, q, k, v, cache):
         assert isinstance(meta, TritonAttentionMetadata)
         assert meta.prefill_launch is not None and meta.decode_block_tables is not None
     cache = cache.clone()
-    return backend.forward(q, k, v, cache[0], cache[1], meta), cache
+    return backend.forward(q, k, v, cache[0], cache[1], meta, scales), cache
 
 
-def _run_all(heads, kv_heads, head_dim, block_size, dtype=torch.float32, seed=0):
-    """{backend name: (output, cache)} on one mixed step; the references in float32."""
+def _run_all(heads, kv_heads, head_dim, block_size, dtype=torch.float32, seed=0, cache_dtype=None,
+             scales=UNIT_SCALES):
+    """{backend name: (output, cache)} on one mixed step; the references in float32. cache_dtype:
+    an fp8 cache (its "cached" tokens the fp8 values nearest to the random ones), else `dtype`."""
     gen = torch.Generator().manual_seed(seed)
     step, num_blocks = _mixed_step(block_size, gen)
     packed = pack_step(step, block_size)
@@ -63,11 +67,17 @@ def _run_all(heads, kv_heads, head_dim, block_size, dtype=torch.float32, seed=0)
     q = torch.randn(t, heads, head_dim, generator=gen).to(dtype)
     k = torch.randn(t, kv_heads, head_dim, generator=gen).to(dtype)
     v = torch.randn(t, kv_heads, head_dim, generator=gen).to(dtype)
-    cache = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)  # "cached" tokens
+    cache = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=gen)  # "cached" tokens
     spec = AttentionSpec(heads, kv_heads, block_size)
-    fp32 = [x.float() for x in (q, k, v, cache)]
-    return {"torch": _run_backend("torch", packed, spec, *fp32), "cpu": _run_backend("cpu", packed, spec, *fp32),
-            "triton": _run_backend("triton", packed, spec, q, k, v, cache)}
+    if cache_dtype is not None:
+        cache = cache.to(cache_dtype)
+        fp32 = [x.float() for x in (q, k, v)] + [cache]
+    else:
+        cache = cache.to(dtype)
+        fp32 = [x.float() for x in (q, k, v, cache)]
+    return {"torch": _run_backend("torch", packed, spec, *fp32, scales),
+            "cpu": _run_backend("cpu", packed, spec, *fp32, scales),
+            "triton": _run_backend("triton", packed, spec, q, k, v, cache, scales)}
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2), (9, 3)])  # GQA groups 1, 4 and 3 (padded to 4)
@@ -92,6 +102,63 @@ def test_half_precision_cache():
     got = out["triton"][0]
     assert got.dtype == torch.float16
     torch.testing.assert_close(got.float(), out["torch"][0], rtol=0, atol=5e-3)
+
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+
+
+@pytest.mark.parametrize("cache_dtype,heads,kv_heads,block_size,dtype", [
+    (E4M3, 8, 2, 16, torch.float32), (E5M2, 8, 2, 16, torch.float32), (E4M3, 9, 3, 5, torch.float32),
+    (E5M2, 4, 4, 8, torch.float16)])  # the fp8 values widened to a 16-bit query's dtype (the interpreter has no bf16)
+def test_every_backend_computes_the_same_step_on_an_fp8_cache(cache_dtype, heads, kv_heads, block_size, dtype):
+    scales = KVScales(k=0.5, v=2.0)  # a checkpoint's, say: stored x / scale, read stored x scale
+    out = _run_all(heads, kv_heads, 32, block_size, dtype, seed=heads, cache_dtype=cache_dtype, scales=scales)
+    expected, ref_cache = out["torch"]
+    assert ref_cache.dtype == cache_dtype
+    for name in ("cpu", "triton"):
+        got, cache = out[name]
+        assert cache.dtype == cache_dtype
+        assert torch.equal(cache.view(torch.uint8), ref_cache.view(torch.uint8))  # the same bytes in the same slots
+        if name == "cpu" or dtype == torch.float32:
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+        else:  # Triton's query and output in float16
+            assert got.dtype == dtype
+            torch.testing.assert_close(got.float(), expected, rtol=0, atol=3e-2)
+    # The new tokens' K/V are stored as x / scale in fp8: the written slots hold exactly that.
+    gen = torch.Generator().manual_seed(heads)
+    step, _ = _mixed_step(block_size, gen)
+    packed = pack_step(step, block_size)
+    torch.randn(packed.num_tokens, heads, 32, generator=gen)  # q, drawn first
+    k = torch.randn(packed.num_tokens, kv_heads, 32, generator=gen).to(dtype)
+    stored = ref_cache[0].view(-1, kv_heads, 32)[torch.tensor(packed.slot_mapping)]
+    assert torch.equal(stored.view(torch.uint8), (k.float() / scales.k).to(cache_dtype).view(torch.uint8))
+
+
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_e4m3_read_as_bytes_equals_the_native_conversion(num_splits):
+    """GPUs before compute capability 8.9 take float8_e4m3fn as bytes turned into float16 patterns."""
+    from meshserve.layers import triton_attention
+
+    gen = torch.Generator().manual_seed(5)
+    heads, kv_heads, head_dim, block_size = 8, 2, 32, 16
+    lens = [1, 17, 300]
+    width = -(-max(lens) // block_size)
+    values = torch.randn(2, len(lens) * width, block_size, kv_heads, head_dim, generator=gen) * 100
+    values[:, 0, 0, 0, :4] = torch.tensor([2.0 ** -9, -(2.0 ** -8), 448.0, 0.0])  # subnormals, the largest, zero
+    cache = values.to(torch.float8_e4m3fn)
+    tables = torch.randperm(len(lens) * width, generator=gen).view(len(lens), width)
+    tables[0, 0] = 0
+    q = torch.randn(len(lens), heads, head_dim, generator=gen) * 0.01
+    outs = []
+    for bits in (False, True):
+        out = torch.full_like(q, float("nan"))
+        triton_attention.decode_attention(q, cache[0], cache[1], out, torch.tensor(lens), tables, head_dim ** -0.5,
+                                          num_splits, k_scale=0.25, v_scale=3.0, e4m3_bits=bits)
+        outs.append(out)
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)
+    # A one-token context attends to its own V row: the stored values times v_scale, exactly.
+    torch.testing.assert_close(outs[1][0], (cache[1][0, 0].float() * 3.0).repeat_interleave(heads // kv_heads, 0),
+                               rtol=0, atol=0)
 
 
 def test_decode_split_k_equals_one_range():

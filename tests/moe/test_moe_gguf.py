@@ -28,7 +28,8 @@ def _permute(w: torch.Tensor, heads: int) -> torch.Tensor:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _write_gguf(hf_dir: str, out: str, family: str) -> None:
+def _write_gguf(hf_dir: str, out: str, family: str, expert_type: str | None = None) -> None:
+    """`expert_type`: the routed experts' tensors in that block type (else float32)."""
     import gguf
 
     cfg = ModelConfig.from_json_file(f"{hf_dir}/config.json")
@@ -69,7 +70,12 @@ def _write_gguf(hf_dir: str, out: str, family: str) -> None:
     for (layer, which), by_expert in experts.items():
         tensors[f"blk.{layer}.ffn_{which}_exps.weight"] = torch.stack([by_expert[e] for e in sorted(by_expert)])
     for name, t in tensors.items():
-        w.add_tensor(name, t.float().numpy())
+        if expert_type and name.endswith("_exps.weight"):
+            qtype = gguf.GGMLQuantizationType[expert_type]
+            data = gguf.quants.quantize(t.float().numpy(), qtype)
+            w.add_tensor(name, data, raw_shape=data.shape, raw_dtype=qtype)
+        else:
+            w.add_tensor(name, t.float().numpy())
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -97,3 +103,32 @@ def test_gguf_matches_transformers(tmp_path, family):
     assert got == hf_greedy(model, ids)
     cfg = ModelConfig.from_json_file(tmp_path / "hf" / "config.json")
     assert load["layers"] == [i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)]
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "mixtral"])
+def test_quantized_experts_are_served_as_stored(tmp_path, family):
+    """Routed experts a file stores in Q8_0 stay in its blocks and compute what the same blocks
+    dequantized compute (the GEMV on its float path: the exact product)."""
+    from meshserve.config import EngineConfig
+    from meshserve.eval.perplexity import load_runner, token_logprobs
+    from meshserve.layers import cpu_kernels
+    from meshserve.layers.moe import GroupedExperts
+    from meshserve.layers.quantization.blocks import BlockType
+
+    make_tiny_moe(tmp_path / "hf", family, vocab_size=VOCAB)
+    path = str(tmp_path / "q8.gguf")
+    _write_gguf(str(tmp_path / "hf"), path, family, expert_type="Q8_0")
+    stored = load_runner(EngineConfig(model=path, device="cpu"), 128)
+    experts = [m for m in stored.model.modules() if isinstance(m, GroupedExperts)]
+    assert experts and all(m.quant is not None and m.w13.numel() == 0 for m in experts)
+    assert {s.blocks.block_type for m in experts for pair in m.quant for q in pair for s in q.segments} == {
+        BlockType.Q8_0}
+    dense = load_runner(EngineConfig(model=path, device="cpu", quantization="none"), 128)
+    ids = [t % VOCAB for t in range(5, 70, 3)]
+    previous = cpu_kernels.set_quant_isa("float")
+    try:
+        for chunk in (3, 32):
+            torch.testing.assert_close(token_logprobs(stored, ids, chunk), token_logprobs(dense, ids, chunk),
+                                       rtol=0, atol=2e-3)
+    finally:
+        cpu_kernels.set_quant_isa(previous)

@@ -110,6 +110,10 @@ def test_calibrate_caches_and_this_machine_reuses_it(capsys, tmp_path, monkeypat
     # clamped at zero, which on a busy machine can fall within their noise (a step of 2 layers timed
     # slower than one of 12): that they are split right is test_engine_overheads_split_per_step_and_per_layer.
     assert saved["layer_overhead_s"] >= 0 and saved["step_overhead_s"] >= 0
+    # The quantized GEMV: the default formats at 1 row and at its most, 16.
+    assert list(saved["quant_gemv_rates"]) == ["Q4_1", "Q8_0", "INT8_ROWS"]
+    assert all([r for r, _ in points] == [1, 16] and all(b > 0 for _, b in points)
+               for points in saved["quant_gemv_rates"].values())
     assert doc["gpu"]["name"] == "this-machine" and doc["gpu"]["measured"]
     assert doc["gpu"]["hbm_bandwidth"] == saved["memory_bandwidth"]
     assert doc["inputs"]["compute_efficiency"] == 1.0     # measured rates are achievable rates
@@ -118,7 +122,7 @@ def test_calibrate_caches_and_this_machine_reuses_it(capsys, tmp_path, monkeypat
     assert again["gpu"] == doc["gpu"]
     # A calibration saved before the profile existed still loads, and plans by the rooflines.
     for key in ("gemm_profile", "attention_flops", "decode_attention_flops", "op_overhead_s", "step_overhead_s",
-                "layer_overhead_s"):
+                "layer_overhead_s", "quant_gemv_rates"):
         saved.pop(key)
     cache.write_text(json.dumps(saved))
     old = run_json(capsys, ["plan", "--gpu", "this-machine", "--calibration-file", str(cache),

@@ -1,5 +1,8 @@
-"""Calibrate this machine, predict the decode step of the embedded model (SmolLM2-135M geometry,
-float32), and compare with the meshserve engine's measured pure decode step at batch 1 and 16.
+"""Calibrate this machine, predict the decode step of the embedded model (SmolLM2-135M, float32
+activations), and compare with the meshserve engine's measured pure decode step at batch 1 and 16.
+The engine serves the embedded GGUF file's blocks as stored (`--quantization gguf`, the default for a
+.gguf model: Q4_1 linear layers, the Q8_0 embedding as the tied head), so the prediction reads those
+bytes at the calibration's measured quantized-GEMV rates.
 
 Tolerance, and why: the calibration times the engine's own linear layer at 1 to 1,024 rows,
 the causal attention rate and the host time of a kernel call, and the step model adds them up
@@ -35,8 +38,8 @@ CONTEXT = 128
 
 
 def smollm_perf(gpu):
-    return make_perf_model(get_model("SmolLM2-135M"), gpu, 1, 1, weight_dtype="fp32",
-                           kv_dtype="fp32", gpus_per_node=1, compute_efficiency=1.0)
+    return make_perf_model(get_model("SmolLM2-135M"), gpu, 1, 1, weight_dtype="q4_1", embedding_dtype="q8_0",
+                           compute_dtype="fp32", kv_dtype="fp32", gpus_per_node=1, compute_efficiency=1.0)
 
 
 def test_comparison_takes_any_step_timer():

@@ -68,7 +68,7 @@ def test_llama3_70b_largest_tp_without_kv_replication_is_8():
     assert any("replicated x2" in f for f in flagged.flags)
 
 
-def decode_bounds(weight_dtype, num_params=None):
+def decode_bounds(weight_dtype, num_params=None, embedding_dtype=None):
     """Batch-1 decode ceiling per user: HBM bandwidth / weight bytes on one rank."""
     spec = get_model("Llama-3-70B")
     if num_params:
@@ -76,24 +76,31 @@ def decode_bounds(weight_dtype, num_params=None):
     gpu = get_gpu("H100-SXM")
     bounds = []
     for tp in (2, 4, 8):
-        result = plan(PlanConfig(spec, gpu, num_gpus=tp, tensor_parallel_size=tp,
-                                 pipeline_parallel_size=1, weight_dtype=weight_dtype))
+        result = plan(PlanConfig(spec, gpu, num_gpus=tp, tensor_parallel_size=tp, pipeline_parallel_size=1,
+                                 weight_dtype=weight_dtype, embedding_dtype=embedding_dtype))
         bounds.append(decode_tokens_per_s_bound(result.shown[0].memory.weights_per_gpu_bytes,
                                                 gpu.hbm_bandwidth))
     return bounds
 
 
 def test_decode_bounds_96_190_380_hold_for_fp8_weights():
+    """The note counts every weight in fp8, the embedding and LM head too (the engine keeps those in
+    bf16 by default, which costs 2.1 GB more: about 3% slower here)."""
     assert get_gpu("H100-SXM").hbm_bandwidth == 3.35e12
-    for got, quoted in zip(decode_bounds("fp8"), (96, 190, 380)):
+    for got, quoted in zip(decode_bounds("fp8", embedding_dtype="fp8"), (96, 190, 380)):
         assert got == pytest.approx(quoted, rel=0.02)
-    # With the note's round 70e9 parameters: 95.7, 191.4, 382.9 tok/s.
-    assert [round(b, 1) for b in decode_bounds("fp8", 70e9)] == [95.7, 191.4, 382.9]
+    # With the note's round 70e9 parameters: 95.7, 191.4, 382.9 tok/s, less what the note leaves out:
+    # fp8's float32 row scales (o_proj's and down_proj's rows on every rank) and the norms in bf16,
+    # 0.04% at TP=2, 0.1% at TP=8.
+    assert [round(b, 1) for b in decode_bounds("fp8", 70e9, "fp8")] == [95.7, 191.3, 382.5]
+    assert decode_bounds("fp8", 70e9, "fp8") == pytest.approx([95.7, 191.4, 382.9], rel=1.2e-3)
+    slower = decode_bounds("fp8", 70e9)  # the embedding and head in bf16
+    assert [round(b / a, 3) for a, b in zip(decode_bounds("fp8", 70e9, "fp8"), slower)] == [0.971] * 3
 
 
 def test_decode_bounds_for_fp16_weights_are_half():
-    fp8, fp16 = decode_bounds("fp8"), decode_bounds("fp16")
+    fp8, fp16 = decode_bounds("fp8", embedding_dtype="fp8"), decode_bounds("fp16")
     for a, b in zip(fp8, fp16):
-        assert b == pytest.approx(a / 2, rel=1e-9)
+        assert b == pytest.approx(a / 2, rel=1e-3)  # fp8's row scales and bf16 norms aside
     assert [round(b, 1) for b in decode_bounds("fp16", 70e9)] == [47.9, 95.7, 191.4]
 

@@ -45,8 +45,9 @@ def random_schema(rng: random.Random, depth: int = 0) -> dict:
 @pytest.fixture(scope="module")
 def server():
     resolve_model("default")
+    # Float32 weights, whose outputs do not depend on how a step is batched (docs/quantization.md).
     s = ServerProcess(["-m", "meshserve", "serve", "--max-model-len", "1024", "--kv-cache-memory", "100000000",
-                       "--log-level", "warning"], startup_timeout=300)
+                       "--quantization", "none", "--log-level", "warning"], startup_timeout=300)
     yield s
     s.stop()
 

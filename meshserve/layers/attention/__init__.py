@@ -8,7 +8,14 @@ metadata type and builder (base.py says what they share):
 Importing this package registers all three and imports no Triton.
 """
 from meshserve.layers.attention import cpu, torch_ref, triton_backend  # noqa: F401  (importing registers them)
-from meshserve.layers.attention.base import AttentionBackend, AttentionMetadata, AttentionSpec, ForwardInputs
+from meshserve.layers.attention.base import (
+    AttentionBackend,
+    AttentionMetadata,
+    AttentionSpec,
+    ForwardInputs,
+    KVScales,
+    kv_cache_dtype,
+)
 from meshserve.layers.attention.layer import PagedAttention
 from meshserve.layers.attention.registry import (
     backend_class,
@@ -19,6 +26,6 @@ from meshserve.layers.attention.registry import (
     select_backend,
 )
 
-__all__ = ["AttentionBackend", "AttentionMetadata", "AttentionSpec", "ForwardInputs", "PagedAttention",
+__all__ = ["AttentionBackend", "AttentionMetadata", "AttentionSpec", "ForwardInputs", "KVScales", "PagedAttention",
            "backend_class", "backend_names", "choose_backend", "create_backend", "register_backend",
-           "select_backend"]
+           "kv_cache_dtype", "select_backend"]

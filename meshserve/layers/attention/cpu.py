@@ -1,5 +1,6 @@
 """The CPU backend: the PyTorch reference, with decodes read in place by the C++ kernel
-(cpu_kernels.paged_decode) where it takes the tensors (float32 or bfloat16, kernels built).
+(cpu_kernels.paged_decode) where it takes the tensors (float32 or bfloat16, kernels built; the
+cache in that dtype or fp8, widened in the kernel).
 
 Its metadata has a type of its own because the C++ decoder stack (models/cpu_decoder_stack.py)
 runs whole layers, attention included, only for steps this backend built.
@@ -11,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from meshserve.layers import cpu_kernels
+from meshserve.layers.attention.base import KVScales
 from meshserve.layers.attention.registry import register_backend
 from meshserve.layers.attention.torch_ref import TorchAttentionMetadata, TorchBackend
 
@@ -25,9 +27,9 @@ class CPUBackend(TorchBackend):
     name = "cpu"
     metadata_type = CPUAttentionMetadata
 
-    def _decode(self, q, k_cache, v_cache, meta: TorchAttentionMetadata) -> torch.Tensor:
+    def _decode(self, q, k_cache, v_cache, meta: TorchAttentionMetadata, scales: KVScales) -> torch.Tensor:
         tables, lens = meta.decode_block_tables, meta.decode_context_lens
         assert tables is not None and lens is not None  # a step with decodes has both
-        if cpu_kernels.usable(q, k_cache):  # reads K/V in place of the reference's gather
-            return cpu_kernels.paged_decode(q, k_cache, v_cache, tables, lens, q.shape[-1] ** -0.5)
-        return super()._decode(q, k_cache, v_cache, meta)
+        if cpu_kernels.decode_usable(q, k_cache):  # reads K/V in place of the reference's gather
+            return cpu_kernels.paged_decode(q, k_cache, v_cache, tables, lens, q.shape[-1] ** -0.5, *scales)
+        return super()._decode(q, k_cache, v_cache, meta, scales)

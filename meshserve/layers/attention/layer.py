@@ -1,14 +1,18 @@
 """A model layer's attention call: the backend that built the step's metadata runs it, so the
-model code never asks which backend the runner chose."""
+model code never asks which backend the runner chose. The layer's KV-cache scales live here."""
 from __future__ import annotations
 
 import torch
 
-from meshserve.layers.attention.base import AttentionMetadata
+from meshserve.layers.attention.base import UNIT_SCALES, AttentionMetadata, KVScales
 
 
 class PagedAttention:
+    def __init__(self) -> None:
+        # vLLM's k_scale / v_scale for an fp8 cache (base.py): 1.0 unless the checkpoint has them.
+        self.kv_scales: KVScales = UNIT_SCALES
+
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, KVH, D]; caches: [num_blocks, block_size, KVH, D]. Returns [T, H, D]."""
-        return meta.backend.forward(q, k, v, k_cache, v_cache, meta)
+        return meta.backend.forward(q, k, v, k_cache, v_cache, meta, self.kv_scales)

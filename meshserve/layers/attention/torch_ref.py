@@ -3,7 +3,8 @@
 Chosen for CUDA without Triton and for devices without a backend of their own; the CPU backend
 (cpu.py) is this one with the C++ decode kernel. Equal-length fresh prompts share one causal SDPA
 call, a prefill after cached tokens reads its blocks through its block table, and decodes read
-their padded tables under a mask of each one's context length.
+their padded tables under a mask of each one's context length. An fp8 cache is widened (and
+scaled) in the gathered copies.
 """
 from __future__ import annotations
 
@@ -13,10 +14,13 @@ import torch
 import torch.nn.functional as F
 
 from meshserve.layers.attention.base import (
+    UNIT_SCALES,
     AttentionBackend,
     AttentionMetadata,
     ForwardInputs,
+    KVScales,
     PackedStep,
+    from_cache,
     padded_tables,
 )
 from meshserve.layers.attention.registry import register_backend
@@ -59,23 +63,23 @@ class TorchBackend(AttentionBackend):
         return ForwardInputs(to_device(packed.input_ids, long, device), to_device(packed.positions, long, device),
                              meta)
 
-    def _attend(self, q, k, v, k_cache, v_cache, meta: TorchAttentionMetadata) -> torch.Tensor:
+    def _attend(self, q, k, v, k_cache, v_cache, meta: TorchAttentionMetadata, scales: KVScales) -> torch.Tensor:
         out = torch.empty_like(q)
         for group in fresh_runs(meta.prefills):
             a, b = group[0].q_start, group[-1].q_end
             if group[0].num_cached == 0:
                 out[a:b] = _prefill_fresh(q[a:b], k[a:b], v[a:b], len(group))
             else:
-                out[a:b] = _prefill_cached(q[a:b], k_cache, v_cache, group[0])
+                out[a:b] = _prefill_cached(q[a:b], k_cache, v_cache, group[0], scales)
         if meta.decode_block_tables is not None:
             n = meta.num_prefill_tokens
-            out[n:] = self._decode(q[n:], k_cache, v_cache, meta)
+            out[n:] = self._decode(q[n:], k_cache, v_cache, meta, scales)
         return out
 
-    def _decode(self, q, k_cache, v_cache, meta: TorchAttentionMetadata) -> torch.Tensor:
+    def _decode(self, q, k_cache, v_cache, meta: TorchAttentionMetadata, scales: KVScales) -> torch.Tensor:
         """Only for a step with decodes, whose tables and mask build_inputs set together."""
         assert meta.decode_block_tables is not None and meta.decode_mask is not None
-        return gathered_decode(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_mask)
+        return gathered_decode(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_mask, scales)
 
 
 def fresh_runs(prefills: list[PrefillSeq]) -> list[list[PrefillSeq]]:
@@ -103,11 +107,11 @@ def _prefill_fresh(q, k, v, n: int) -> torch.Tensor:
     return o.transpose(1, 2).reshape(q.shape)
 
 
-def _prefill_cached(q, k_cache, v_cache, p: PrefillSeq) -> torch.Tensor:
+def _prefill_cached(q, k_cache, v_cache, p: PrefillSeq, scales: KVScales) -> torch.Tensor:
     """A chunk after num_cached tokens (earlier chunks or a prefix hit): attends to the cache."""
     ctx = p.num_cached + q.shape[0]
-    kk = k_cache[p.block_table].flatten(0, 1)[:ctx]  # [ctx, KVH, D]
-    vv = v_cache[p.block_table].flatten(0, 1)[:ctx]
+    kk = from_cache(k_cache[p.block_table].flatten(0, 1)[:ctx], q.dtype, scales.k)  # [ctx, KVH, D]
+    vv = from_cache(v_cache[p.block_table].flatten(0, 1)[:ctx], q.dtype, scales.v)
     pos = torch.arange(p.num_cached, ctx, device=q.device)
     mask = torch.arange(ctx, device=q.device)[None, :] <= pos[:, None]
     o = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), kk.transpose(0, 1).unsqueeze(0),
@@ -116,14 +120,14 @@ def _prefill_cached(q, k_cache, v_cache, p: PrefillSeq) -> torch.Tensor:
 
 
 def gathered_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                    mask: torch.Tensor) -> torch.Tensor:
+                    mask: torch.Tensor, scales: KVScales = UNIT_SCALES) -> torch.Tensor:
     """One new token per sequence: q [B, H, D] over its blocks, copied out of the cache (block_tables
     [B, max_blocks]) and masked past its context (mask [B, 1, 1, max_blocks * block_size])."""
     b, heads, d = q.shape
     kvh = k_cache.shape[2]
     # [B, blocks, bs, KVH, D] -> [B, KVH, L, D]; query heads grouped by their KV head, so no repeat.
-    kk = k_cache[block_tables].flatten(1, 2).transpose(1, 2)
-    vv = v_cache[block_tables].flatten(1, 2).transpose(1, 2)
+    kk = from_cache(k_cache[block_tables], q.dtype, scales.k).flatten(1, 2).transpose(1, 2)
+    vv = from_cache(v_cache[block_tables], q.dtype, scales.v).flatten(1, 2).transpose(1, 2)
     qg = q.view(b, kvh, heads // kvh, d)
     o = F.scaled_dot_product_attention(qg, kk, vv, attn_mask=mask)
     return o.reshape(b, heads, d)

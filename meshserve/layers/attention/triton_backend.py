@@ -1,5 +1,6 @@
 """The Triton backend for CUDA (kernels in layers/triton_attention.py): one launch for all of a
-step's prefills and one for all its decodes, each reading K/V in place through the block tables.
+step's prefills and one for all its decodes, each reading K/V in place through the block tables
+(an fp8 cache as stored, widened in the kernel).
 
 Every integer of a step goes to the device in one copy. A decode batch's metadata depends only
 on its size, so this backend's decodes can be captured in CUDA graphs (worker/cuda_graphs.py).
@@ -15,6 +16,7 @@ from meshserve.layers.attention.base import (
     AttentionBackend,
     AttentionMetadata,
     ForwardInputs,
+    KVScales,
     PackedStep,
     padded_tables,
 )
@@ -79,17 +81,17 @@ class TritonBackend(AttentionBackend):
             meta.decode_splits = decode_splits(len(lens), self.spec.num_kv_heads, max(packed.decode_context_lens))
         return ForwardInputs(ids, positions, meta)
 
-    def _attend(self, q, k, v, k_cache, v_cache, meta: TritonAttentionMetadata) -> torch.Tensor:
+    def _attend(self, q, k, v, k_cache, v_cache, meta: TritonAttentionMetadata, scales: KVScales) -> torch.Tensor:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         n, scale = meta.num_prefill_tokens, q.shape[-1] ** -0.5
         if meta.prefill_launch is not None:
             p = meta.prefill_launch
             self._kernels.prefill_attention(q, k_cache, v_cache, out, p.query_start, p.context_lens,
-                                            p.block_tables, p.tile_seq, p.tile_start, scale)
+                                            p.block_tables, p.tile_seq, p.tile_start, scale, *scales)
         if meta.decode_block_tables is not None:
             assert meta.decode_context_lens is not None  # set with the tables
             self._kernels.decode_attention(q[n:], k_cache, v_cache, out[n:], meta.decode_context_lens,
-                                           meta.decode_block_tables, scale, meta.decode_splits)
+                                           meta.decode_block_tables, scale, meta.decode_splits, *scales)
         return out
 
     def decode_graph_metadata(self, slot_mapping, block_tables, context_lens) -> TritonAttentionMetadata:

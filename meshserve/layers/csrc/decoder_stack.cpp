@@ -12,9 +12,11 @@
 namespace {
 
 // Per layer, in this order (cpu_decoder_stack.py builds the list); an empty tensor means "none".
+// Each linear layer takes three: its weight, then for a float weight the oneDNN-packed copy and
+// nothing, for a quantized one (uint8 blocks) its block type (one int64) and row scales.
 enum LayerWeight : int64_t {
-  kInputNorm, kQKV, kQKVPacked, kQKVBias, kO, kOPacked, kPostNorm, kGateUp, kGateUpPacked, kDown, kDownPacked,
-  kWeightsPerLayer
+  kInputNorm, kQKV, kQKVAux, kQKVScale, kQKVBias, kO, kOAux, kOScale, kPostNorm, kGateUp, kGateUpAux,
+  kGateUpScale, kDown, kDownAux, kDownScale, kWeightsPerLayer
 };
 
 bool present(const torch::Tensor& t) { return t.defined() && t.numel() > 0; }
@@ -24,12 +26,22 @@ struct PackedRows {  // the row counts that take the packed weight (cpu_gemm.PAC
   int64_t gemv_max;  // up to this many rows, the weight as stored through gemv (cpu_gemm.gemv_max_rows)
 };
 
-torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& packed,
-                     const torch::Tensor& bias, const PackedRows& rows) {
-  // The same choice as cpu_gemm.PrepackedMatmul.matmul: gemv for a few rows, oneDNN on the packed
-  // weight for more, MKL beyond.
+torch::Tensor linear(const torch::Tensor& x, const torch::Tensor* w, const torch::Tensor& bias,
+                     const PackedRows& rows) {
+  // The same choice as cpu_gemm.PrepackedMatmul.matmul and quantization/matmul.py: a few rows
+  // through the GEMV of the weight as stored, float or quantized; more rows through oneDNN on the
+  // packed weight, MKL beyond, or the float matmul of the dequantized blocks.
+  const torch::Tensor& weight = w[0];
+  const torch::Tensor& packed = w[1];
   std::optional<torch::Tensor> b;
   if (present(bias)) b = bias;
+  if (weight.scalar_type() == at::kByte) {
+    const int64_t type = packed.data_ptr<int64_t>()[0];
+    std::optional<torch::Tensor> scale;
+    if (present(w[2])) scale = w[2];
+    if (x.size(0) <= rows.gemv_max) return qgemv(x.contiguous(), weight, type, scale, b);
+    return at::linear(x, qdequantize(weight, type, x.size(1), scale).to(x.scalar_type()), b);
+  }
   if (x.size(0) <= rows.gemv_max) return gemv(x.contiguous(), weight, b);
   if (present(packed) && rows.min <= x.size(0) && x.size(0) <= rows.max) {
     static auto op = c10::Dispatcher::singleton()
@@ -53,14 +65,45 @@ struct StepAttention {
   const torch::Tensor& decode_lens;
 };
 
-// PagedAttention.__call__ (layers/attention.py), the CPU path.
+// to_cache, from_cache and write_kv of layers/attention/base.py (the same ATen calls, so the same
+// bits): an fp8 cache stores x / scale saturated to its range and reads stored * scale.
+bool fp8_dtype(at::ScalarType t) { return t == at::kFloat8_e4m3fn || t == at::kFloat8_e5m2; }
+
+torch::Tensor to_cache(const torch::Tensor& x, at::ScalarType cache_dtype, double scale) {
+  if (cache_dtype == x.scalar_type() || !fp8_dtype(cache_dtype)) return x.to(cache_dtype);
+  const double fmax = cache_dtype == at::kFloat8_e4m3fn ? 448.0 : 57344.0;
+  auto y = x.to(at::kFloat);
+  if (scale != 1.0) y = y / scale;
+  return y.clamp(-fmax, fmax).to(cache_dtype);
+}
+
+torch::Tensor from_cache(const torch::Tensor& x, at::ScalarType dtype, double scale) {
+  if (x.scalar_type() == dtype) return x;
+  return scale == 1.0 ? x.to(dtype) : (x.to(at::kFloat) * scale).to(dtype);
+}
+
+void write_kv(torch::Tensor cache, const torch::Tensor& slots, torch::Tensor x, int64_t kvh, int64_t d) {
+  if (fp8_dtype(cache.scalar_type())) {  // as bytes: index_copy_ has no fp8 kernels
+    cache = cache.view(at::kByte);
+    x = x.view(at::kByte);
+  }
+  cache.view({-1, kvh, d}).index_copy_(0, slots, x);
+}
+
+// AttentionBackend.forward (layers/attention/base.py) with the CPU backend's attention (cpu.py).
 // The output has `rows` rows (the step's tokens, then zeros up to the padded row count).
-torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                        const torch::Tensor& kv_cache, const StepAttention& s, int64_t kvh, int64_t d,
-                        int64_t rows) {
+// k_scale / v_scale: the layer's KV-cache scales (an fp8 cache's; others ignore them).
+torch::Tensor attention(const torch::Tensor& q, torch::Tensor k, torch::Tensor v, const torch::Tensor& kv_cache,
+                        const StepAttention& s, int64_t kvh, int64_t d, int64_t rows, double k_scale,
+                        double v_scale) {
   auto k_cache = kv_cache[0], v_cache = kv_cache[1];
-  k_cache.view({-1, kvh, d}).index_copy_(0, s.slot_mapping, k);
-  v_cache.view({-1, kvh, d}).index_copy_(0, s.slot_mapping, v);
+  auto kq = to_cache(k, k_cache.scalar_type(), k_scale), vq = to_cache(v, v_cache.scalar_type(), v_scale);
+  write_kv(k_cache, s.slot_mapping, kq, kvh, d);
+  write_kv(v_cache, s.slot_mapping, vq, kvh, d);
+  if (fp8_dtype(k_cache.scalar_type())) {  // attention sees this step's K/V as the cache holds them
+    k = from_cache(kq, k.scalar_type(), k_scale);
+    v = from_cache(vq, v.scalar_type(), v_scale);
+  }
   auto out = torch::empty({rows, q.size(1), q.size(2)}, q.options());
   out.slice(0, q.size(0)).zero_();
   for (size_t g = 0; g * 4 < s.prefill_groups.size(); ++g) {
@@ -79,8 +122,8 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const to
     } else {  // a chunk after cached tokens attends to the cache
       const int64_t ctx = cached + (b - a);
       const auto& table = s.prefill_tables[g];
-      auto kk = k_cache.index({table}).flatten(0, 1).slice(0, 0, ctx);
-      auto vv = v_cache.index({table}).flatten(0, 1).slice(0, 0, ctx);
+      auto kk = from_cache(k_cache.index({table}).flatten(0, 1).slice(0, 0, ctx), q.scalar_type(), k_scale);
+      auto vv = from_cache(v_cache.index({table}).flatten(0, 1).slice(0, 0, ctx), q.scalar_type(), v_scale);
       auto opts = torch::TensorOptions().dtype(torch::kLong).device(q.device());
       auto pos = torch::arange(cached, ctx, opts);
       auto mask = torch::arange(ctx, opts).unsqueeze(0) <= pos.unsqueeze(1);
@@ -94,7 +137,7 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const to
   if (present(s.decode_tables)) {
     const int64_t n = s.num_prefill_tokens;
     out.slice(0, n, q.size(0)).copy_(paged_decode(q.slice(0, n).contiguous(), k_cache.contiguous(), v_cache.contiguous(), s.decode_tables,
-                                       s.decode_lens, std::pow(static_cast<double>(d), -0.5)));
+                                       s.decode_lens, std::pow(static_cast<double>(d), -0.5), k_scale, v_scale));
   }
   return out;
 }
@@ -113,10 +156,12 @@ std::vector<torch::Tensor> decoder_stack(torch::Tensor h, std::vector<torch::Ten
                                          int64_t num_prefill_tokens, torch::Tensor decode_tables,
                                          torch::Tensor decode_lens, int64_t num_heads, int64_t num_kv_heads,
                                          int64_t head_dim, double eps, int64_t packed_min_rows,
-                                         int64_t packed_max_rows, int64_t row_multiple, int64_t gemv_max_rows) {
+                                         int64_t packed_max_rows, int64_t row_multiple, int64_t gemv_max_rows,
+                                         std::vector<double> kv_scales) {
   pybind11::gil_scoped_release no_gil;
   TORCH_CHECK(weights.size() == kv_caches.size() * kWeightsPerLayer, "decoder_stack: weights per layer mismatch");
   TORCH_CHECK(prefill_groups.size() % 4 == 0 && prefill_tables.size() * 4 == prefill_groups.size());
+  TORCH_CHECK(kv_scales.size() == 2 * kv_caches.size(), "decoder_stack: a k_scale and a v_scale per layer");
   const StepAttention step{slot_mapping, prefill_groups, prefill_tables, num_prefill_tokens, decode_tables,
                            decode_lens};
   const PackedRows packed_rows{packed_min_rows, packed_max_rows, gemv_max_rows};
@@ -136,17 +181,17 @@ std::vector<torch::Tensor> decoder_stack(torch::Tensor h, std::vector<torch::Ten
       residual = residual.contiguous();
       h = rms_norm(h, w[kInputNorm], residual, eps);
     }
-    auto qkv = linear(h, w[kQKV], w[kQKVPacked], w[kQKVBias], packed_rows);
+    auto qkv = linear(h, w + kQKV, w[kQKVBias], packed_rows);
     auto real = qkv.slice(0, 0, T);
     rotary_(real, positions, cos, sin, H + KVH, D);
     auto q = real.slice(1, 0, H * D).view({T, H, D});
     auto k = real.slice(1, H * D, (H + KVH) * D).view({T, KVH, D});
     auto v = real.slice(1, (H + KVH) * D, (H + 2 * KVH) * D).view({T, KVH, D});
-    auto o = attention(q, k, v, kv_caches[layer], step, KVH, D, rows);
-    h = linear(o.view({rows, H * D}), w[kO], w[kOPacked], torch::Tensor(), packed_rows);
+    auto o = attention(q, k, v, kv_caches[layer], step, KVH, D, rows, kv_scales[2 * layer], kv_scales[2 * layer + 1]);
+    h = linear(o.view({rows, H * D}), w + kO, torch::Tensor(), packed_rows);
     h = rms_norm(h, w[kPostNorm], residual, eps);
-    h = linear(silu_and_mul(linear(h, w[kGateUp], w[kGateUpPacked], torch::Tensor(), packed_rows)), w[kDown],
-               w[kDownPacked], torch::Tensor(), packed_rows);
+    h = linear(silu_and_mul(linear(h, w + kGateUp, torch::Tensor(), packed_rows)), w + kDown, torch::Tensor(),
+               packed_rows);
   }
   if (rows != T) return {h.slice(0, 0, T), residual.slice(0, 0, T)};
   return {h, residual};

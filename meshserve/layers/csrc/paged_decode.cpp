@@ -1,32 +1,77 @@
 // Decode attention reading K/V straight from the paged cache (after cpu_kernels.cpp in one
 // translation unit). One task is one sequence: each cached token's K/V row (all KV heads) is read
 // once, as one contiguous run, and serves every query head of its group.
+//
+// The cache holds the query's dtype, or fp8 (--kv-cache-dtype: float8_e4m3fn or float8_e5m2, one
+// byte a value), read as stored: each byte widened to float32 in registers, as a float16 bit
+// pattern that VCVTPH2PS converts (e5m2 is the top byte of a float16; e4m3's exponent and
+// mantissa bits move into float16's, which leaves the value 2^8 too small: the biases are 7 and
+// 15). A layer's k_scale multiplies into the score scale and its v_scale into the output.
 #include <immintrin.h>
+#include <type_traits>
 
-// n elements of a cache block as float32: float32 blocks are read in place, bfloat16 blocks are
-// converted once into `scratch` so that every query head of a group reads floats.
-static inline const float* as_float(const float* src, float*, int64_t) { return src; }
-static inline const float* as_float(const bf16* src, float* scratch, int64_t n) {
+using fp8e4m3 = c10::Float8_e4m3fn;
+using fp8e5m2 = c10::Float8_e5m2;
+template <typename C>
+constexpr bool is_fp8 = std::is_same_v<C, fp8e4m3> || std::is_same_v<C, fp8e5m2>;
+
+// One cached value as float32, for the loops' remainders (the vector paths use load8 / load16).
+static inline float widen(float v) { return v; }
+static inline float widen(fp8e4m3 v) { return static_cast<float>(v); }
+static inline float widen(fp8e5m2 v) { return static_cast<float>(v); }
+
+// n elements of a cache block as the loops read them: float32 and fp8 blocks in place (fp8 widened
+// as it is read), bfloat16 blocks converted once into `scratch` so that every query head of a
+// group reads floats.
+static inline const float* block_values(const float* src, float*, int64_t) { return src; }
+static inline const float* block_values(const bf16* src, float* scratch, int64_t n) {
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) scratch[i] = f32(src[i]);
   return scratch;
 }
+template <typename C, std::enable_if_t<is_fp8<C>, int> = 0>
+static inline const C* block_values(const C* src, float*, int64_t) { return src; }
 
 #if defined(__AVX2__) && defined(__FMA__)
-// Eight keys' dot products with one query at once (keys `row` floats apart): eight independent
+// Eight consecutive cached values as float32.
+static inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+#if defined(__F16C__)
+static inline __m128i bytes8_as_u16(const void* p) {
+  return _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+}
+static inline __m256 load8(const fp8e5m2* p) { return _mm256_cvtph_ps(_mm_slli_epi16(bytes8_as_u16(p), 8)); }
+static inline __m256 load8(const fp8e4m3* p) {
+  const __m128i b = bytes8_as_u16(p);
+  const __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8),
+                                 _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7F)), 7));
+  return _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.f));
+}
+#else  // no F16C in the build: fp8 values widened one at a time
+template <typename C, std::enable_if_t<is_fp8<C>, int> = 0>
+static inline __m256 load8(const C* p) {
+  alignas(32) float f[8];
+  for (int i = 0; i < 8; ++i) f[i] = widen(p[i]);
+  return _mm256_load_ps(f);
+}
+#endif
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__)
+// Eight keys' dot products with one query at once (keys `row` values apart): eight independent
 // chains of FMAs, then one transposing reduction for all eight sums, where a dot product at a time
 // waits on its own chain and reduces its vector alone. Only the first `count` (1-8) keys exist:
 // the others re-read the last one, so the loads stay inside the block, and are not stored.
-static inline void dot8(const float* q, const float* k, int64_t row, int64_t D, float scale, float* out,
+template <typename K>
+static inline void dot8(const float* q, const K* k, int64_t row, int64_t D, float scale, float* out,
                         int64_t count) {
-  const float* kt[8];
+  const K* kt[8];
   for (int64_t t = 0; t < 8; ++t) kt[t] = k + std::min(t, count - 1) * row;
   __m256 a[8];
   for (int t = 0; t < 8; ++t) a[t] = _mm256_setzero_ps();
   int64_t i = 0;
   for (; i + 8 <= D; i += 8) {
     const __m256 qv = _mm256_loadu_ps(q + i);
-    for (int t = 0; t < 8; ++t) a[t] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kt[t] + i), a[t]);
+    for (int t = 0; t < 8; ++t) a[t] = _mm256_fmadd_ps(qv, load8(kt[t] + i), a[t]);
   }
   const __m256 s0123 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
   const __m256 s4567 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
@@ -35,7 +80,7 @@ static inline void dot8(const float* q, const float* k, int64_t row, int64_t D, 
   if (i < D) {  // a head size that is not a multiple of 8
     for (int t = 0; t < 8; ++t) {
       res[t] = 0.f;
-      for (int64_t r = i; r < D; ++r) res[t] += q[r] * kt[t][r];
+      for (int64_t r = i; r < D; ++r) res[t] += q[r] * widen(kt[t][r]);
     }
     sum = _mm256_add_ps(sum, _mm256_load_ps(res));
   }
@@ -47,12 +92,13 @@ static inline void dot8(const float* q, const float* k, int64_t row, int64_t D, 
 
 // o[0:64) += sum over j < n of w[j] * v[j * row + (0:64)]: the 64 accumulators stay in eight
 // registers across the tokens, so every token's eight FMAs are independent of each other.
-static inline void weighted_rows64(float* o, const float* w, const float* v, int64_t row, int64_t n) {
+template <typename V>
+static inline void weighted_rows64(float* o, const float* w, const V* v, int64_t row, int64_t n) {
   __m256 a[8];
   for (int t = 0; t < 8; ++t) a[t] = _mm256_loadu_ps(o + 8 * t);
   for (int64_t j = 0; j < n; ++j) {
     const __m256 wj = _mm256_set1_ps(w[j]);
-    for (int t = 0; t < 8; ++t) a[t] = _mm256_fmadd_ps(wj, _mm256_loadu_ps(v + j * row + 8 * t), a[t]);
+    for (int t = 0; t < 8; ++t) a[t] = _mm256_fmadd_ps(wj, load8(v + j * row + 8 * t), a[t]);
   }
   for (int t = 0; t < 8; ++t) _mm256_storeu_ps(o + 8 * t, a[t]);
 }
@@ -90,11 +136,12 @@ static inline void softmax_rows(float* p, int64_t H, int64_t L, float* inv_sum) 
 }
 
 // The decode attention proper; HD > 0 fixes the head size at compile time (fully unrolled inner
-// loops for the common sizes), HD == 0 takes it at run time.
-template <int64_t HD, typename T>
-static void paged_decode_impl(const T* qp, const T* kp, const T* vp, T* op, const int64_t* tables,
+// loops for the common sizes), HD == 0 takes it at run time. C: the cache's element type (T, or
+// fp8); fscale multiplies the scores (k_scale included), vscale the output.
+template <int64_t HD, typename T, typename C>
+static void paged_decode_impl(const T* qp, const C* kp, const C* vp, T* op, const int64_t* tables,
                               const int64_t* lens, int64_t B, int64_t H, int64_t D_rt, int64_t KVH, int64_t bs,
-                              int64_t max_blocks, float fscale) {
+                              int64_t max_blocks, float fscale, float vscale) {
   const int64_t D = HD > 0 ? HD : D_rt;
   const int64_t G = H / KVH, row = KVH * D;  // query heads per KV head; floats per cached token
   // One task per sequence, all heads at once, one cache block at a time: a block holds bs tokens'
@@ -103,7 +150,7 @@ static void paged_decode_impl(const T* qp, const T* kp, const T* vp, T* op, cons
   // measured about 2x slower, memory bound on the strided rows).
   at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
     // p: [H, L] scores, then unnormalised probabilities; qb, ob: this sequence's query and output
-    std::vector<float> p, inv_sum(H), qb(H * D), ob(H * D), scratch(bs * row);
+    std::vector<float> p, inv_sum(H), qb(H * D), ob(H * D), scratch(std::is_same_v<C, bf16> ? bs * row : 0);
     for (int64_t b = begin; b < end; ++b) {
       const int64_t L = lens[b];
       const int64_t* table = tables + b * max_blocks;
@@ -112,10 +159,10 @@ static void paged_decode_impl(const T* qp, const T* kp, const T* vp, T* op, cons
       for (int64_t t0 = 0; t0 < L; t0 += bs) {
         const int64_t n = std::min(bs, L - t0);
         prefetch_next_block(kp, table, t0, L, bs, row, row);
-        const float* kb = as_float(kp + table[t0 / bs] * bs * row, scratch.data(), n * row);
+        const auto* kb = block_values(kp + table[t0 / bs] * bs * row, scratch.data(), n * row);
         for (int64_t h = 0; h < H; ++h) {
           const float* qh = qb.data() + h * D;
-          const float* kh = kb + (h / G) * D;
+          const auto* kh = kb + (h / G) * D;
           float* ph = p.data() + h * L + t0;
           int64_t j0 = 0;
 #if defined(__AVX2__) && defined(__FMA__)
@@ -126,7 +173,7 @@ static void paged_decode_impl(const T* qp, const T* kp, const T* vp, T* op, cons
           for (int64_t j = j0; j < n; ++j) {
             float acc = 0.f;
 #pragma omp simd reduction(+ : acc)
-            for (int64_t i = 0; i < D; ++i) acc += qh[i] * kh[j * row + i];
+            for (int64_t i = 0; i < D; ++i) acc += qh[i] * widen(kh[j * row + i]);
             ph[j] = acc * fscale;
           }
         }
@@ -136,10 +183,10 @@ static void paged_decode_impl(const T* qp, const T* kp, const T* vp, T* op, cons
       for (int64_t t0 = 0; t0 < L; t0 += bs) {
         const int64_t n = std::min(bs, L - t0);
         prefetch_next_block(vp, table, t0, L, bs, row, row);
-        const float* vb = as_float(vp + table[t0 / bs] * bs * row, scratch.data(), n * row);
+        const auto* vb = block_values(vp + table[t0 / bs] * bs * row, scratch.data(), n * row);
         for (int64_t h = 0; h < H; ++h) {
           const float* ph = p.data() + h * L + t0;
-          const float* vh = vb + (h / G) * D;
+          const auto* vh = vb + (h / G) * D;
           float* oh = ob.data() + h * D;
           int64_t i0 = 0;
 #if defined(__AVX2__) && defined(__FMA__)
@@ -152,19 +199,21 @@ static void paged_decode_impl(const T* qp, const T* kp, const T* vp, T* op, cons
             for (int64_t i = 0; i < 16; ++i) acc[i] = oh[i0 + i];
             for (int64_t j = 0; j < n; ++j) {
               const float w = ph[j];
-              const float* v = vh + j * row + i0;
+              const auto* v = vh + j * row + i0;
 #pragma omp simd
-              for (int64_t i = 0; i < 16; ++i) acc[i] += w * v[i];
+              for (int64_t i = 0; i < 16; ++i) acc[i] += w * widen(v[i]);
             }
             for (int64_t i = 0; i < 16; ++i) oh[i0 + i] = acc[i];
           }
           for (; i0 < D; ++i0)
-            for (int64_t j = 0; j < n; ++j) oh[i0] += ph[j] * vh[j * row + i0];
+            for (int64_t j = 0; j < n; ++j) oh[i0] += ph[j] * widen(vh[j * row + i0]);
         }
       }
       T* out = op + b * H * D;
-      for (int64_t h = 0; h < H; ++h)
-        for (int64_t i = 0; i < D; ++i) out[h * D + i] = store<T>(ob[h * D + i] * inv_sum[h]);
+      for (int64_t h = 0; h < H; ++h) {
+        const float w = inv_sum[h] * vscale;
+        for (int64_t i = 0; i < D; ++i) out[h * D + i] = store<T>(ob[h * D + i] * w);
+      }
     }
   });
 }
@@ -176,10 +225,12 @@ static void paged_decode_impl(const T* qp, const T* kp, const T* vp, T* op, cons
 // another order. Values are widened to float32 in registers; probabilities stay float32. Compiled
 // for these instructions alone and chosen at run time, as the element-wise rows (cpu_kernels.cpp).
 #define AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma")))
+// What the parts that the fp8 path shares take (a subset of the above: inlined into either).
+#define AVX512_FP8 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma")))
 
 // Lane j of the result is the sum of a[j]'s sixteen lanes (a transposing tree of adds: 45 shuffles
 // and adds for sixteen sums where one vector at a time would take 16 x 8).
-AVX512_BF16 static inline __m512 lane_sums16(const __m512* a) {
+AVX512_FP8 static inline __m512 lane_sums16(const __m512* a) {
   __m512 b[8], c[4], d[2];
   for (int i = 0; i < 8; ++i)  // per 128-bit lane: a[2i], a[2i+1], a[2i], a[2i+1]
     b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
@@ -211,11 +262,29 @@ AVX512_BF16 static inline void scores16(const bf16* q, const bf16* k, int64_t ro
   _mm512_mask_storeu_ps(out, static_cast<__mmask16>((1u << count) - 1u), s);
 }
 
+// Sixteen consecutive cached values as float32 (bfloat16 or fp8).
+AVX512_FP8 static inline __m512 load16(const bf16* p) {
+  return _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+AVX512_FP8 static inline __m256i bytes16_as_u16(const void* p) {
+  return _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+AVX512_FP8 static inline __m512 load16(const fp8e5m2* p) {
+  return _mm512_cvtph_ps(_mm256_slli_epi16(bytes16_as_u16(p), 8));
+}
+AVX512_FP8 static inline __m512 load16(const fp8e4m3* p) {
+  const __m256i b = bytes16_as_u16(p);
+  const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8),
+                                    _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7F)), 7));
+  return _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.f));
+}
+
 // o[h] (HB heads, NC x 16 floats each) = sum over the sequence's tokens t of p[h * L + t] * V[t]:
 // each V row is widened once and serves the HB heads, whose accumulators stay in registers.
-template <int NC, int HB>
-AVX512_BF16 static void weighted_values(const float* p, int64_t L, const bf16* vp, const int64_t* table, int64_t bs,
-                                        int64_t row, float* o) {
+template <int NC, int HB, typename V>
+AVX512_FP8 static void weighted_values(const float* p, int64_t L, const V* vp, const int64_t* table, int64_t bs,
+                                       int64_t row, float* o) {
   constexpr int64_t D = 16 * NC;
   __m512 acc[HB][NC];
   for (int h = 0; h < HB; ++h)
@@ -223,12 +292,10 @@ AVX512_BF16 static void weighted_values(const float* p, int64_t L, const bf16* v
   for (int64_t t0 = 0; t0 < L; t0 += bs) {
     const int64_t n = std::min(bs, L - t0);
     prefetch_next_block(vp, table, t0, L, bs, row, D);  // this KV head's slice
-    const bf16* vb = vp + table[t0 / bs] * bs * row;
+    const V* vb = vp + table[t0 / bs] * bs * row;
     for (int64_t j = 0; j < n; ++j) {
       __m512 v[NC];
-      for (int c = 0; c < NC; ++c)
-        v[c] = _mm512_castsi512_ps(_mm512_slli_epi32(
-            _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vb + j * row + 16 * c))), 16));
+      for (int c = 0; c < NC; ++c) v[c] = load16(vb + j * row + 16 * c);
       for (int h = 0; h < HB; ++h) {
         const __m512 w = _mm512_set1_ps(p[h * L + t0 + j]);
         for (int c = 0; c < NC; ++c) acc[h][c] = _mm512_fmadd_ps(w, v[c], acc[h][c]);
@@ -240,16 +307,16 @@ AVX512_BF16 static void weighted_values(const float* p, int64_t L, const bf16* v
 }
 
 // Up to 16 / NC heads of one group at a time: their accumulators fill at most half the registers.
-template <int NC>
-AVX512_BF16 static void weighted_values_heads(int64_t heads, const float* p, int64_t L, const bf16* vp,
-                                              const int64_t* table, int64_t bs, int64_t row, float* o) {
+template <int NC, typename V>
+AVX512_FP8 static void weighted_values_heads(int64_t heads, const float* p, int64_t L, const V* vp,
+                                             const int64_t* table, int64_t bs, int64_t row, float* o) {
   constexpr int64_t HB = 16 / NC, D = 16 * NC;
   for (int64_t h = 0; h < heads; h += HB) {
     const float* ph = p + h * L;
     float* oh = o + h * D;
     switch (std::min(HB, heads - h)) {
       case 1: weighted_values<NC, 1>(ph, L, vp, table, bs, row, oh); break;
-      case 2: weighted_values<NC, 2>(ph, L, vp, table, bs, row, oh); break;
+      case 2: if constexpr (HB >= 2) weighted_values<NC, 2>(ph, L, vp, table, bs, row, oh); break;
       case 3: if constexpr (HB >= 3) weighted_values<NC, 3>(ph, L, vp, table, bs, row, oh); break;
       default: if constexpr (HB >= 4) weighted_values<NC, 4>(ph, L, vp, table, bs, row, oh); break;
     }
@@ -294,16 +361,92 @@ static void paged_decode_bf16(const bf16* qp, const bf16* kp, const bf16* vp, bf
   });
 }
 
+// ---- fp8 caches on CPUs with AVX-512 ---------------------------------------------------------------
+// The query in float32 (widened once per sequence), each key's bytes widened in registers (load16)
+// and multiplied in float32 FMAs; the values as in the bfloat16 path.
+
+// Scores of one query head (NC x 16 floats) against up to 16 keys `row` elements apart; keys past
+// `count` re-read the last one and are not stored.
+template <int NC, typename C>
+AVX512_FP8 static inline void scores16_fp8(const float* q, const C* k, int64_t row, int64_t count, float scale,
+                                           float* out) {
+  __m512 qv[NC];
+  for (int c = 0; c < NC; ++c) qv[c] = _mm512_loadu_ps(q + 16 * c);
+  __m512 a[16];
+  for (int64_t t = 0; t < 16; ++t) {
+    const C* kt = k + std::min(t, count - 1) * row;
+    __m512 acc = _mm512_mul_ps(qv[0], load16(kt));
+    for (int c = 1; c < NC; ++c) acc = _mm512_fmadd_ps(qv[c], load16(kt + 16 * c), acc);
+    a[t] = acc;
+  }
+  const __m512 s = _mm512_mul_ps(lane_sums16(a), _mm512_set1_ps(scale));
+  _mm512_mask_storeu_ps(out, static_cast<__mmask16>((1u << count) - 1u), s);
+}
+
+// One sequence: q [H, D] float32 in, ob [H, D] unnormalised output and inv_sum [H] out.
+template <int NC, typename C>
+AVX512_FP8 static void decode_sequence_fp8(const float* q, const C* kp, const C* vp, const int64_t* table, int64_t L,
+                                           int64_t H, int64_t KVH, int64_t bs, float scale, std::vector<float>& p,
+                                           float* ob, float* inv_sum) {
+  constexpr int64_t D = 16 * NC;
+  const int64_t G = H / KVH, row = KVH * D;
+  p.resize(H * L);
+  for (int64_t t0 = 0; t0 < L; t0 += bs) {
+    const int64_t n = std::min(bs, L - t0);
+    prefetch_next_block(kp, table, t0, L, bs, row, row);
+    const C* kb = kp + table[t0 / bs] * bs * row;
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t j = 0; j < n; j += 16)
+        scores16_fp8<NC>(q + h * D, kb + (h / G) * D + j * row, row, std::min<int64_t>(16, n - j), scale,
+                         p.data() + h * L + t0 + j);
+  }
+  softmax_rows(p.data(), H, L, inv_sum);
+  for (int64_t g = 0; g < KVH; ++g)
+    weighted_values_heads<NC>(G, p.data() + g * G * L, L, vp + g * D, table, bs, row, ob + g * G * D);
+}
+
+template <int NC, typename T, typename C>
+static void paged_decode_fp8(const T* qp, const C* kp, const C* vp, T* op, const int64_t* tables, const int64_t* lens,
+                             int64_t B, int64_t H, int64_t KVH, int64_t bs, int64_t max_blocks, float scale,
+                             float vscale) {
+  constexpr int64_t D = 16 * NC;
+  at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> p, qb(H * D), ob(H * D), inv_sum(H);
+    for (int64_t b = begin; b < end; ++b) {
+      for (int64_t i = 0; i < H * D; ++i) qb[i] = f32(qp[b * H * D + i]);
+      decode_sequence_fp8<NC>(qb.data(), kp, vp, tables + b * max_blocks, lens[b], H, KVH, bs, scale, p, ob.data(),
+                              inv_sum.data());
+      T* out = op + b * H * D;
+      for (int64_t h = 0; h < H; ++h) {
+        const float w = inv_sum[h] * vscale;
+        for (int64_t i = 0; i < D; ++i) out[h * D + i] = store<T>(ob[h * D + i] * w);
+      }
+    }
+  });
+}
+
 static bool cpu_has_avx512_bf16() {
   static const bool has = __builtin_cpu_supports("avx512bf16");
   return has && cpu_has_avx512();
 }
 
+// Calls body(C{}) with C the fp8 element type of an fp8 cache.
+template <typename Body>
+static void dispatch_fp8(const torch::Tensor& cache, Body&& body) {
+  if (cache.scalar_type() == at::kFloat8_e4m3fn) return body(fp8e4m3{});
+  TORCH_CHECK(cache.scalar_type() == at::kFloat8_e5m2, "paged_decode: not an fp8 cache");
+  body(fp8e5m2{});
+}
+
+// k_scale / v_scale: what an fp8 cache's values are multiplied by when read (a cache in the
+// query's dtype ignores them).
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                           torch::Tensor block_tables, torch::Tensor context_lens, double scale) {
+                           torch::Tensor block_tables, torch::Tensor context_lens, double scale, double k_scale,
+                           double v_scale) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes());
-  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
-              "paged_decode: the query and the caches must have one dtype");
+  const bool fp8 = k_cache.scalar_type() == at::kFloat8_e4m3fn || k_cache.scalar_type() == at::kFloat8_e5m2;
+  TORCH_CHECK((k_cache.scalar_type() == q.scalar_type() || fp8) && v_cache.scalar_type() == k_cache.scalar_type(),
+              "paged_decode: the caches must have the query's dtype, or be fp8, both the same");
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous());
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && block_tables.is_contiguous());
   TORCH_CHECK(context_lens.scalar_type() == at::kLong && context_lens.is_contiguous());
@@ -319,6 +462,30 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
                   "paged_decode: block id out of range");
   }
   auto out = torch::empty_like(q);
+  if (fp8) {
+    const float fscale = static_cast<float>(scale * k_scale), vscale = static_cast<float>(v_scale);
+    dispatch(q, "paged_decode", [&](auto tag) {
+      using T = decltype(tag);
+      const T* qp = q.data_ptr<T>();
+      T* op = out.data_ptr<T>();
+      dispatch_fp8(k_cache, [&](auto ctag) {
+        using C = decltype(ctag);
+        const C* kp = static_cast<const C*>(k_cache.data_ptr());
+        const C* vp = static_cast<const C*>(v_cache.data_ptr());
+        if ((D == 64 || D == 128) && cpu_has_avx512()) {
+          if (D == 64) paged_decode_fp8<4>(qp, kp, vp, op, tables, lens, B, H, KVH, bs, max_blocks, fscale, vscale);
+          else paged_decode_fp8<8>(qp, kp, vp, op, tables, lens, B, H, KVH, bs, max_blocks, fscale, vscale);
+          return;
+        }
+        switch (D) {
+          case 64: paged_decode_impl<64>(qp, kp, vp, op, tables, lens, B, H, D, KVH, bs, max_blocks, fscale, vscale); break;
+          case 128: paged_decode_impl<128>(qp, kp, vp, op, tables, lens, B, H, D, KVH, bs, max_blocks, fscale, vscale); break;
+          default: paged_decode_impl<0>(qp, kp, vp, op, tables, lens, B, H, D, KVH, bs, max_blocks, fscale, vscale);
+        }
+      });
+    });
+    return out;
+  }
   const float fscale = static_cast<float>(scale);
   if (q.scalar_type() == at::kBFloat16 && (D == 64 || D == 128) && cpu_has_avx512_bf16()) {
     const bf16* qp = q.data_ptr<bf16>();
@@ -336,9 +503,9 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
     const T* vp = v_cache.data_ptr<T>();
     T* op = out.data_ptr<T>();
     switch (D) {
-      case 64: paged_decode_impl<64>(qp, kp, vp, op, tables, lens, B, H, D, KVH, bs, max_blocks, fscale); break;
-      case 128: paged_decode_impl<128>(qp, kp, vp, op, tables, lens, B, H, D, KVH, bs, max_blocks, fscale); break;
-      default: paged_decode_impl<0>(qp, kp, vp, op, tables, lens, B, H, D, KVH, bs, max_blocks, fscale);
+      case 64: paged_decode_impl<64>(qp, kp, vp, op, tables, lens, B, H, D, KVH, bs, max_blocks, fscale, 1.f); break;
+      case 128: paged_decode_impl<128>(qp, kp, vp, op, tables, lens, B, H, D, KVH, bs, max_blocks, fscale, 1.f); break;
+      default: paged_decode_impl<0>(qp, kp, vp, op, tables, lens, B, H, D, KVH, bs, max_blocks, fscale, 1.f);
     }
   });
   return out;

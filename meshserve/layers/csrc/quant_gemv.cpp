@@ -1,25 +1,41 @@
 // Quantized weights, read as stored: GGUF blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K) and
-// int8 rows with one scale per output channel. A weight is a [N, row_bytes] uint8 tensor, each row
-// its K values' blocks in file order.
+// one-byte rows (int8, or float8 e4m3) with one float32 scale per output channel. A weight is a
+// [N, row_bytes] uint8 tensor, each row its K values' blocks in file order.
 //
 // Every format is read in units of 32 values that share one scale and one offset (a GGUF block,
-// or a sub-block of a K-quant super-block): decode_unit turns a unit into its integer levels as
-// float32 (Q6_K's 16-value scales folded in, being small integers too) plus the unit's scale and
-// offset, so that w = scale * level + offset. A decode-step matmul then needs per unit only
-// sum(level * x) (vector FMAs on the levels, never the dequantized weight), times the scale, plus
-// offset * sum(x), whose sums of x per unit are computed once per call: the weight streams from
-// memory at its quantized size and is widened in registers only. Activations stay float32, so the
-// result is the float32 matmul of the dequantized weight up to summation order.
+// or a sub-block of a K-quant super-block; Q6_K's 16-value scales are small integers), so that
+// w = scale * level + offset. A decode step's few rows of x then need per unit only
+// sum(level * x), times the scale, plus offset * sum(x): never the dequantized weight, which
+// streams from memory at its quantized size and is widened in registers only.
+//
+// qgemv computes sum(level * x) in integers where the CPU has AVX2 (the integer path, below),
+// because widening every level to float32 for an FMA costs more than reading its bytes: that way
+// Q4_1 ran at ~7 GB/s against ~35 GB/s of read bandwidth. x is rounded once per call to int8 per
+// unit (scale max|x| / 127), and each unit's 32 byte-sized levels meet it in one or two integer
+// dot-product instructions. The price is that rounding of x: the result is the product of the
+// dequantized weight with the rounded x (within ~0.6% of the exact product on random data; the
+// contract is in tests/engine/test_quant_gemv.py), as llama.cpp's CPU matmuls compute it.
+//
+// The float path widens the levels to float32 and keeps x as it is: the result is the float32 matmul
+// of the dequantized weight up to summation order. It is the reference (tests force it with
+// set_quant_isa("float")), the path of fp8 rows (not integer levels; F16C widens them cheaply) and
+// of CPUs without AVX2, and qdequantize decodes units the same way.
 //
 // Larger batches (prefill) dequantize the weight to float32 and take the float matmul: there the
 // work is compute-bound and the dequantization is a small fraction of it (cpu_gemm.py).
+
+#include <immintrin.h>
+#include <string>
+#include <type_traits>
 
 constexpr int64_t kUnit = 32;  // values per unit
 constexpr int64_t kQuantPrefetchBytes = 4096;
 
 enum QuantType : int64_t {  // GGML's type ids, and ours for int8 rows
-  kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14, kInt8Rows = 100,
+  kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14, kInt8Rows = 100, kFp8Rows = 101,
 };
+
+static inline bool row_scaled(int64_t type) { return type == kInt8Rows || type == kFp8Rows; }
 
 // 8-lane vectors: one AVX2 register (GCC lowers wider generic vectors on AVX2 through the stack).
 typedef float F8v __attribute__((vector_size(32)));
@@ -56,6 +72,7 @@ static QuantFormat quant_format(int64_t type) {
     case kQ4_K: return {256, 144, true};
     case kQ6_K: return {256, 210, false};
     case kInt8Rows: return {32, 32, false};
+    case kFp8Rows: return {32, 32, false};
   }
   TORCH_CHECK(false, "quantized weight: unknown block type ", type);
 }
@@ -80,6 +97,24 @@ __attribute__((always_inline)) static inline F8v widen8(const void* p) {
 #else
   const uint8_t* q = static_cast<const uint8_t*>(p);
   for (int i = 0; i < 8; ++i) out[i] = Signed ? static_cast<float>(static_cast<int8_t>(q[i])) : q[i];
+#endif
+  return out;
+}
+
+// 8 float8 e4m3 bytes as float32 values over 256: a byte's sign, exponent and mantissa moved into
+// the same fields of a float16 (((b & 0x80) << 8) | ((b & 0x7F) << 7), here the sign-extended byte
+// shifted by 7 with bit 14 cleared) read as half x 2^-8, exactly, subnormals included: the half's
+// exponent bias is 8 above e4m3's. The caller scales by 256 (exact).
+__attribute__((always_inline)) static inline F8v widen_fp8(const uint8_t* p) {
+  F8v out;
+#if defined(__F16C__)
+  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  const __m128i h = _mm_and_si128(_mm_slli_epi16(_mm_cvtepi8_epi16(b), 7), _mm_set1_epi16(static_cast<short>(0xBFFF)));
+  const __m256 f = _mm256_cvtph_ps(h);
+  std::memcpy(&out, &f, 32);
+#else
+  for (int i = 0; i < 8; ++i)
+    out[i] = c10::detail::fp16_ieee_to_fp32_value(static_cast<uint16_t>(((p[i] & 0x80) << 8) | ((p[i] & 0x7F) << 7)));
 #endif
   return out;
 }
@@ -146,6 +181,11 @@ __attribute__((always_inline)) static inline void decode_unit(const uint8_t* row
     scale = T == kQ8_0 ? half_to_float(b) : 1.f;  // int8 rows: the row's scale is applied once, at the end
     offset = 0.f;
     for (int i = 0; i < 4; ++i) l.v[i] = widen8<true>(qs + 8 * i);
+  } else if constexpr (T == kFp8Rows) {
+    const uint8_t* b = row + u * 32;
+    scale = 256.f;  // widen_fp8's values are the e4m3 values over 256; the row's scale comes at the end
+    offset = 0.f;
+    for (int i = 0; i < 4; ++i) l.v[i] = widen_fp8(b + 8 * i);
   } else if constexpr (T == kQ4_K) {
     const uint8_t* b = row + (u / 8) * 144;
     const int j = static_cast<int>(u % 8);
@@ -272,7 +312,7 @@ static void dispatch_quant(int64_t type, Body&& body) {
   case t:             \
     return body(std::integral_constant<int64_t, t>{});
     QUANT_CASE(kQ4_0) QUANT_CASE(kQ4_1) QUANT_CASE(kQ5_0) QUANT_CASE(kQ5_1) QUANT_CASE(kQ8_0) QUANT_CASE(kQ4_K)
-    QUANT_CASE(kQ6_K) QUANT_CASE(kInt8Rows)
+    QUANT_CASE(kQ6_K) QUANT_CASE(kInt8Rows) QUANT_CASE(kFp8Rows)
 #undef QUANT_CASE
   }
   TORCH_CHECK(false, "quantized weight: unknown block type ", type);
@@ -299,8 +339,643 @@ AVX512 static void dequantize_range_avx512(const uint8_t* w, int64_t rb, const f
   dequantize_range<T>(w, rb, rs, out, K, n0, n1);
 }
 
+// ---- The integer path -------------------------------------------------------------------------
+// Per unit and row of x, the levels' dot product with the rounded x comes out as eight int32 lanes
+// (vpdpbusd on AVX512-VNNI and AVX-VNNI, vpmaddubsw + vpmaddwd on AVX2), converted to float and
+// scaled once by (weight scale x activation scale): a few instructions per 32 values where the float
+// path takes a dozen. Several weight rows and rows of x per pass keep enough independent
+// accumulators that loads, not latencies, set the pace.
+//
+// Built where the baseline has AVX2/FMA/F16C, whose intrinsics the shared templates use without
+// target attributes (those only the AVX-512 paths use carry theirs); each wider ISA gets entry
+// points with its target and `flatten`, which inlines the templates and that ISA's helpers into
+// them (an always_inline helper with a wider target could not be inlined into a template that has
+// none).
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define QUANT_INT_PATH 1
+#define QUANT_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")))
+#define QUANT_VNNI512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")))
+#define QUANT_AVXVNNI __attribute__((target("avxvnni,avx2,fma,f16c")))
+
+constexpr int64_t kIntPrefetchBytes = 4096;
+static int64_t g_pf_dist = kIntPrefetchBytes, g_pf_mode = 0, g_rb1 = 4;  // TUNING
+void quant_tune(int64_t dist, int64_t mode, int64_t rb1) { g_pf_dist = dist, g_pf_mode = mode, g_rb1 = rb1; }  // TUNING
+constexpr int64_t kIntTileBytes = 16384;
+
+static inline uint32_t load_u32(const uint8_t* p) {
+  uint32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+static inline __m256i load256(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
+
+// x after rounding, unit-major so that one unit of every row of x is one run of memory. For unit u
+// and row m (m < S; rows past M are zeros): q[(u * S + m) * 32 + i] = round(x[m][32u + i] / d) with
+// d = max |x| over the unit / 127, and ds[(u * S + m) * 2] = {d, d * the sum of the rounded values},
+// the pair a unit's {scale, offset} multiplies in one step. For types whose levels are centred on c
+// and have no offset of their own, that sum comes times -c, and the unit's pair is {scale, scale}.
+// For Q6_K, whose scales differ between the unit's two halves of 16, ds holds the first half's sum
+// and hs = {0, the second half's}.
+struct QActs {
+  const int8_t* q;
+  const float* ds;
+  const float* hs;
+  int64_t S;
+};
+
+// Rounds rows of x (float32 or bfloat16 [M, K], row stride ldx) into QActs layout.
+template <typename X>
+static void quantize_acts(const X* x, int64_t ldx, int64_t M, int64_t K, int64_t S, int centre, bool halves,
+                          int8_t* q, float* ds, float* hs) {
+  const int64_t units = K / kUnit;
+  const __m256i pack_order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t u = 0; u < units; ++u) {
+      const X* xu = x + m * ldx + u * kUnit;
+      __m256 v[4];
+      for (int i = 0; i < 4; ++i) {
+        if constexpr (std::is_same_v<X, float>) {
+          v[i] = _mm256_loadu_ps(xu + 8 * i);
+        } else {
+          const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(xu + 8 * i));
+          v[i] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+        }
+      }
+      const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+      __m256 a = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(v[0], abs_mask), _mm256_and_ps(v[1], abs_mask)),
+                               _mm256_max_ps(_mm256_and_ps(v[2], abs_mask), _mm256_and_ps(v[3], abs_mask)));
+      __m128 a4 = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+      a4 = _mm_max_ps(a4, _mm_movehl_ps(a4, a4));
+      a4 = _mm_max_ss(a4, _mm_movehdup_ps(a4));
+      float d = _mm_cvtss_f32(a4) / 127.f;
+      float inv = d > 0.f ? 1.f / d : 0.f;
+      if (!(inv <= std::numeric_limits<float>::max())) d = 0.f, inv = 0.f;  // a unit of subnormals: zero
+      const __m256 iv = _mm256_set1_ps(inv);
+      __m256i r[4];
+      for (int i = 0; i < 4; ++i) r[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], iv));  // to nearest even
+      const __m256i packed = _mm256_permutevar8x32_epi32(
+          _mm256_packs_epi16(_mm256_packs_epi32(r[0], r[1]), _mm256_packs_epi32(r[2], r[3])), pack_order);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + (u * S + m) * kUnit), packed);
+      // the sums of values 0-15 and 16-31 in lanes 0 and 1
+      const __m256i h = _mm256_hadd_epi32(_mm256_add_epi32(r[0], r[1]), _mm256_add_epi32(r[2], r[3]));
+      const __m256i h2 = _mm256_hadd_epi32(h, h);
+      const __m128i s2 = _mm_add_epi32(_mm256_castsi256_si128(h2), _mm256_extracti128_si256(h2, 1));
+      const int32_t lo = _mm_cvtsi128_si32(s2), hi = _mm_extract_epi32(s2, 1);
+      float* p = ds + (u * S + m) * 2;
+      p[0] = d;
+      if (halves) {
+        p[1] = d * static_cast<float>(lo);
+        hs[(u * S + m) * 2] = 0.f, hs[(u * S + m) * 2 + 1] = d * static_cast<float>(hi);
+      } else {
+        p[1] = d * static_cast<float>((centre ? -centre : 1) * (lo + hi));
+      }
+    }
+  for (int64_t u = 0; u < units; ++u)
+    for (int64_t m = M; m < S; ++m) {
+      std::memset(q + (u * S + m) * kUnit, 0, kUnit);
+      ds[(u * S + m) * 2] = ds[(u * S + m) * 2 + 1] = 0.f;
+      if (halves) hs[(u * S + m) * 2] = hs[(u * S + m) * 2 + 1] = 0.f;
+    }
+}
+
+// The ISA-specific steps. dot: per int32 lane j, the sum over bytes 4j..4j+3 of unsigned levels
+// times signed activations (a unit's values 0-15 in lanes 0-3, 16-31 in lanes 4-7). vpmaddubsw
+// saturates its int16 pair sums, so 8-bit signed weights cannot be shifted to unsigned there: they
+// take |w| against sign(w) * x instead (kSignedDot), which stays below 2 * 128 * 127.
+struct IntAvx2 {
+  static constexpr int kMaxRows = 8;  // rows of x per pass over the weight: 16 vector registers
+  static constexpr bool kWide = false;  // int_rows_pairs: one row of x, two units per 512-bit vector
+  static constexpr bool kSignedDot = true;
+  static inline __m256i dot(__m256i u8, __m256i s8) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u8, s8), _mm256_set1_epi16(1));
+  }
+  // 16 where bit i of a Q5 block's mask is set (byte i), else 0
+  static inline __m256i fifth_bits(uint32_t qh) {
+    const __m256i spread = _mm256_shuffle_epi8(
+        _mm256_set1_epi32(static_cast<int32_t>(qh)),
+        _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
+    const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
+    return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(16));
+  }
+};
+
+struct IntAvxVnni : IntAvx2 {
+  static constexpr bool kSignedDot = false;  // no saturation: signed weights + 128, the 128 folded out
+  QUANT_AVXVNNI static inline __m256i dot(__m256i u8, __m256i s8) {
+    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u8, s8);
+  }
+};
+
+struct IntAvx512 : IntAvx2 {
+  static constexpr int kMaxRows = 16;  // 32 vector registers
+  static constexpr bool kWide = true;
+  QUANT_AVX512 static inline __m256i fifth_bits(uint32_t qh) {
+    return _mm256_maskz_mov_epi8(_cvtu32_mask32(qh), _mm256_set1_epi8(16));
+  }
+  QUANT_AVX512 static inline __m512i fifth_bits(uint64_t qh) {
+    return _mm512_maskz_mov_epi8(_cvtu64_mask64(qh), _mm512_set1_epi8(16));
+  }
+  using IntAvx2::dot;
+  QUANT_AVX512 static inline __m512i dot(__m512i u8, __m512i s8) {
+    return _mm512_madd_epi16(_mm512_maddubs_epi16(u8, s8), _mm512_set1_epi16(1));
+  }
+  // s8 negated where w is negative (vpsignb has no 512-bit form; where w is 0, |w| is 0)
+  QUANT_AVX512 static inline __m512i apply_sign(__m512i s8, __m512i w) {
+    return _mm512_mask_sub_epi8(s8, _mm512_movepi8_mask(w), _mm512_setzero_si512(), s8);
+  }
+};
+
+struct IntVnni512 : IntAvx512 {
+  static constexpr bool kSignedDot = false;
+  QUANT_VNNI512 static inline __m256i dot(__m256i u8, __m256i s8) {
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u8, s8);
+  }
+  QUANT_VNNI512 static inline __m512i dot(__m512i u8, __m512i s8) {
+    return _mm512_dpbusd_epi32(_mm512_setzero_si512(), u8, s8);
+  }
+};
+
+// What a type's unit sum needs besides scale * dot: the level each is centred on (folded out as
+// -centre * scale * sum(x)), and whether a per-unit offset term exists at all.
+template <int64_t T, class O>
+static constexpr int int_centre() {
+  if constexpr (T == kQ4_0) return 8;
+  if constexpr (T == kQ5_0) return 16;
+  if constexpr (T == kQ6_K) return 32;
+  if constexpr (T == kQ8_0 || T == kInt8Rows) return O::kSignedDot ? 0 : 128;
+  return 0;
+}
+// The centre quantize_acts folds into the activation sums (Q6_K folds its own, per half).
+template <int64_t T, class O>
+static constexpr int int_folded_centre() {
+  return T == kQ6_K || has_offset<T>() ? 0 : int_centre<T, O>();
+}
+template <int64_t T, class O>
+static constexpr bool int_signed() {  // levels are signed bytes, dotted by the sign trick
+  return (T == kQ8_0 || T == kInt8Rows) && O::kSignedDot;
+}
+template <int64_t T, class O>
+static constexpr bool int_offsets() {
+  return has_offset<T>() || int_centre<T, O>() != 0;
+}
+template <int64_t T>
+static constexpr int64_t int_units_per_block() {
+  return T == kQ4_K || T == kQ6_K ? 8 : 1;
+}
+
+static inline __m256i nibbles(const uint8_t* p) {  // 16 bytes -> 32 levels: low nibbles, then high
+  const __m256i b = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_and_si256(_mm256_srlv_epi64(b, _mm256_setr_epi64x(0, 0, 4, 4)), _mm256_set1_epi8(0x0F));
+}
+
+// Two float16 values as float32 lanes 0 and 1 (a: bits 0-15, b: bits 16-31).
+static inline __m128 two_halves(uint32_t ab) { return _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(ab))); }
+static inline __m128 load_pair(const float* p) {
+  return _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(p)));
+}
+
+// A unit's scale as the kernel applies it: {scale, offset} in lanes 0, 1 (the offset with the
+// centre folded in, multiplying the unit's sum of x), or for Q6_K a scale per half (lanes 0-3 and
+// 4-7) and an offset per half.
+struct PairScale {
+  __m128 dm;
+};
+struct HalfScales {
+  __m256 s;
+  __m256 o_lo, o_hi;
+};
+
+// The units of block `blk` of a row: unit(j, levels, sign source, scale), the levels as bytes
+// (unsigned; |w| where int_signed, with w then the sign source).
+template <int64_t T, class O, class F>
+static inline void int_units(const uint8_t* row, int64_t blk, F&& unit) {
+  if constexpr (T == kQ4_0 || T == kQ4_1 || T == kQ5_0 || T == kQ5_1) {
+    constexpr bool off = has_offset<T>(), q5 = T == kQ5_0 || T == kQ5_1;
+    constexpr int64_t bytes = T == kQ4_0 ? 18 : (T == kQ4_1 ? 20 : (T == kQ5_0 ? 22 : 24));
+    const uint8_t* b = row + blk * bytes;
+    __m256i l = nibbles(b + (off ? 4 : 2) + (q5 ? 4 : 0));
+    if constexpr (q5) l = _mm256_or_si256(l, O::fifth_bits(load_u32(b + (off ? 4 : 2))));
+    const uint32_t h = load_u32(b);
+    unit(0, l, l, PairScale{two_halves(off ? h : (h & 0xFFFF) * 0x10001u)});  // {d, m}, or {d, d}
+  } else if constexpr (T == kQ8_0 || T == kInt8Rows) {
+    const uint8_t* b = row + blk * (T == kQ8_0 ? 34 : 32);
+    const __m256i w = load256(b + (T == kQ8_0 ? 2 : 0));
+    // {d, d}; int8 rows {1, 1}, the row's scale coming at the end
+    const __m128 dm = T == kQ8_0 ? two_halves((load_u32(b) & 0xFFFF) * 0x10001u) : _mm_set1_ps(1.f);
+    if constexpr (O::kSignedDot)
+      unit(0, _mm256_sign_epi8(w, w), w, PairScale{dm});
+    else
+      unit(0, _mm256_xor_si256(w, _mm256_set1_epi8(static_cast<char>(0x80))), w, PairScale{dm});
+  } else if constexpr (T == kQ4_K) {
+    const uint8_t* b = row + blk * 144;
+    const __m128 dd = two_halves(load_u32(b));  // d, dmin
+    // the 6-bit scales and mins of the 8 sub-blocks, four to a 32-bit word
+    const uint32_t w0 = load_u32(b + 4), w1 = load_u32(b + 8), w2 = load_u32(b + 12);
+    const uint64_t sc = (w0 & 0x3F3F3F3Fu) |
+                        static_cast<uint64_t>((w2 & 0x0F0F0F0Fu) | ((w0 >> 2) & 0x30303030u)) << 32;
+    const uint64_t mn = (w1 & 0x3F3F3F3Fu) |
+                        static_cast<uint64_t>(((w2 >> 4) & 0x0F0F0F0Fu) | ((w1 >> 2) & 0x30303030u)) << 32;
+    const __m256 s = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(sc)))),
+                                   _mm256_broadcastss_ps(dd));
+    const __m256 o = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(mn)))),
+                                   _mm256_set1_ps(-_mm_cvtss_f32(_mm_movehdup_ps(dd))));
+    // {scale, offset} of sub-block j at pairs + 2 * ((j & 1) + 2 * (j & 2) + (j & 4) / 2)
+    alignas(32) float pairs[16];
+    _mm256_store_ps(pairs, _mm256_unpacklo_ps(s, o)), _mm256_store_ps(pairs + 8, _mm256_unpackhi_ps(s, o));
+#pragma GCC unroll 4
+    for (int p = 0; p < 4; ++p) {
+      const __m256i q = load256(b + 16 + 32 * p);
+      const __m256i lo = _mm256_and_si256(q, _mm256_set1_epi8(0x0F));
+      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), _mm256_set1_epi8(0x0F));
+      const int j0 = 2 * p, j1 = 2 * p + 1;
+      unit(j0, lo, lo, PairScale{load_pair(pairs + 2 * ((j0 & 1) + 2 * (j0 & 2) + (j0 & 4) / 2))});
+      unit(j1, hi, hi, PairScale{load_pair(pairs + 2 * ((j1 & 1) + 2 * (j1 & 2) + (j1 & 4) / 2))});
+    }
+  } else {
+    static_assert(T == kQ6_K);
+    constexpr float centre = static_cast<float>(int_centre<T, O>());
+    const uint8_t* b = row + blk * 210;
+    const __m256 d = _mm256_set1_ps(half_to_float(b + 208));
+    const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192));
+    alignas(32) float scale[16];
+    _mm256_store_ps(scale, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)), d));
+    _mm256_store_ps(scale + 8, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8))), d));
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) {  // 4 units of 32 per half of 128 values
+      const int half = j / 4, r = j % 4;
+      const __m256i ql = load256(b + 64 * half + 32 * (r % 2));
+      const __m256i qh = load256(b + 128 + 32 * half);
+      const __m256i lo = _mm256_and_si256(r >= 2 ? _mm256_srli_epi16(ql, 4) : ql, _mm256_set1_epi8(0x0F));
+      // bits 2r, 2r+1 of qh as bits 4, 5
+      const __m256i hs = r == 0 ? _mm256_slli_epi16(qh, 4)
+                                : (r == 1 ? _mm256_slli_epi16(qh, 2) : (r == 2 ? qh : _mm256_srli_epi16(qh, 2)));
+      const __m256i l = _mm256_or_si256(lo, _mm256_and_si256(hs, _mm256_set1_epi8(0x30)));
+      const __m256 s0 = _mm256_broadcast_ss(scale + 2 * j), s1 = _mm256_broadcast_ss(scale + 2 * j + 1);
+      unit(j, l, l, HalfScales{_mm256_blend_ps(s0, s1, 0xF0), _mm256_mul_ps(s0, _mm256_set1_ps(-centre)),
+                               _mm256_mul_ps(s1, _mm256_set1_ps(-centre))});
+    }
+  }
+}
+
+static inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+struct IntJob {
+  const uint8_t* w;
+  int64_t row_bytes, blocks, N;
+  QActs a;
+  const float* row_scale;  // or null
+  const float* bias;       // float32, or null
+  float* y;                // [M, N]
+};
+
+// Rows [n, n + RB) of the weight against rows [m0, m0 + M) of x (of which `valid` are real; the
+// rest, zeros, keep M a compile-time count): RB * M vector accumulators, every unit's weight bytes
+// decoded once and dotted with each row of x. Offsets accumulate in the odd lanes of `off`
+// (row m of x: lane 2 (m % 4) + 1 of off[r][m / 4]); the even lanes collect products no one reads.
+template <int64_t T, class O, int M, int RB>
+static inline void int_rows(const IntJob& job, int64_t m0, int64_t valid, int64_t n) {
+  constexpr int64_t per_block = int_units_per_block<T>();
+  constexpr bool offsets = int_offsets<T, O>();
+  constexpr int C = (M + 3) / 4;
+  const int64_t S = job.a.S, rb = job.row_bytes;
+  const uint8_t* rows = job.w + n * rb;
+  const int64_t pf_dist = g_pf_dist;  // TUNING
+  const int pf_mode = g_pf_mode;  // TUNING
+  if (pf_mode == 0)
+    for (int64_t p = 0; p < RB * rb; p += 64) __builtin_prefetch(rows + pf_dist + p);
+  int64_t pf_next = 0;
+  using Off = std::conditional_t<M == 1, __m128, __m256>;  // one row of x: {*, offset} in an xmm
+  __m256 acc[RB][M];
+  Off off[RB][C];
+  for (int r = 0; r < RB; ++r) {
+    for (int c = 0; c < C; ++c) off[r][c] = Off{};
+    for (int m = 0; m < M; ++m) acc[r][m] = _mm256_setzero_ps();
+  }
+  for (int64_t blk = 0; blk < job.blocks; ++blk) {
+    if (pf_mode == 1) {
+      const int64_t until = (blk + 1) * RB * rb / job.blocks;
+      for (; pf_next < until; pf_next += 64) __builtin_prefetch(rows + pf_dist + pf_next);
+    } else if (pf_mode == 2) {
+      const int64_t until = (blk + 1) * RB * rb / job.blocks;
+      for (; pf_next < until; pf_next += 64) _mm_prefetch(reinterpret_cast<const char*>(rows + pf_dist + pf_next), _MM_HINT_T1);
+    }
+    for (int r = 0; r < RB; ++r)
+      int_units<T, O>(rows + r * rb, blk, [&](int j, __m256i l, __m256i sign, auto scale) {
+        const int64_t u = blk * per_block + j;
+        const int8_t* qu = job.a.q + (u * S + m0) * kUnit;
+        const float* ds = job.a.ds + (u * S + m0) * 2;
+        auto dot = [&](int m) {
+          __m256i xq = load256(qu + m * kUnit);
+          if constexpr (int_signed<T, O>()) xq = _mm256_sign_epi8(xq, sign);
+          return _mm256_cvtepi32_ps(O::dot(l, xq));
+        };
+        if constexpr (std::is_same_v<decltype(scale), HalfScales>) {
+          const float* hs = job.a.hs + (u * S + m0) * 2;
+          for (int m = 0; m < M; ++m)
+            acc[r][m] = _mm256_fmadd_ps(dot(m), _mm256_mul_ps(scale.s, _mm256_broadcast_ss(ds + 2 * m)), acc[r][m]);
+          if constexpr (M == 1) {
+            off[r][0] = _mm_fmadd_ps(_mm256_castps256_ps128(scale.o_lo), load_pair(ds), off[r][0]);
+            off[r][0] = _mm_fmadd_ps(_mm256_castps256_ps128(scale.o_hi), load_pair(hs), off[r][0]);
+          } else {
+            for (int c = 0; c < C; ++c) {
+              off[r][c] = _mm256_fmadd_ps(scale.o_lo, _mm256_loadu_ps(ds + 8 * c), off[r][c]);
+              off[r][c] = _mm256_fmadd_ps(scale.o_hi, _mm256_loadu_ps(hs + 8 * c), off[r][c]);
+            }
+          }
+        } else if constexpr (M == 1) {
+          const __m128 p = _mm_mul_ps(scale.dm, load_pair(ds));  // {scale * d, offset * sum}
+          if constexpr (offsets) off[r][0] = _mm_add_ps(off[r][0], p);
+          acc[r][0] = _mm256_fmadd_ps(dot(0), _mm256_broadcastss_ps(p), acc[r][0]);
+        } else {
+          const __m256 dm = _mm256_castpd_ps(_mm256_broadcastsd_pd(_mm_castps_pd(scale.dm)));
+          alignas(32) float sd[8 * C];
+          for (int c = 0; c < C; ++c) {
+            const __m256 p = _mm256_mul_ps(dm, _mm256_loadu_ps(ds + 8 * c));
+            if constexpr (offsets) off[r][c] = _mm256_add_ps(off[r][c], p);
+            _mm256_store_ps(sd + 8 * c, p);
+          }
+          for (int m = 0; m < M; ++m) acc[r][m] = _mm256_fmadd_ps(dot(m), _mm256_broadcast_ss(sd + 2 * m), acc[r][m]);
+        }
+      });
+  }
+  for (int r = 0; r < RB; ++r) {
+    alignas(32) float o[8 * C];
+    for (int c = 0; c < C; ++c) std::memcpy(o + 8 * c, &off[r][c], sizeof(Off));
+    const float rs = job.row_scale ? job.row_scale[n + r] : 1.f, b = job.bias ? job.bias[n + r] : 0.f;
+    float out[M];  // every row, so that acc is only ever indexed by constants and stays in registers
+    for (int m = 0; m < M; ++m) out[m] = (hsum(acc[r][m]) + (offsets ? o[2 * m + 1] : 0.f)) * rs + b;
+    for (int m = 0; m < valid && m < M; ++m) job.y[(m0 + m) * job.N + n + r] = out[m];
+  }
+}
+
+
+// ---- One row of x on the AVX-512 paths: two units per 512-bit vector ------------------------------
+// A decode step of one sequence is all about this case, and at one row of x the per-unit work of
+// int_rows (a dot, a conversion, an FMA, the scale pair) is what limits the stream: taking two
+// consecutive units at a time halves the instructions per byte. Q6_K keeps int_rows.
+
+// Two consecutive 32-block units from b: their levels (low half: the first unit), the signed
+// weights where int_signed, and {scale, offset} of each in lanes 0-1 and 2-3.
+template <int64_t T, class O>
+QUANT_AVX512 static inline void block_pair(const uint8_t* b, __m512i& l, __m512i& w, __m128& dm) {
+  if constexpr (T == kQ4_0 || T == kQ4_1 || T == kQ5_0 || T == kQ5_1) {
+    constexpr bool off = has_offset<T>(), q5 = T == kQ5_0 || T == kQ5_1;
+    constexpr int64_t bytes = T == kQ4_0 ? 18 : (T == kQ4_1 ? 20 : (T == kQ5_0 ? 22 : 24));
+    constexpr int64_t qs = (off ? 4 : 2) + (q5 ? 4 : 0);
+    __m512i both;
+    if (g_rb1 & 1)  // TUNING
+      both = _mm512_inserti64x4(
+        _mm512_castsi256_si512(_mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + qs)))),
+        _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + bytes + qs))), 1);
+    else
+      both = _mm512_mask_blend_epi64(  // the first unit's 16 bytes twice, then the second's
+        0xF0, _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + qs))),
+        _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + bytes + qs))));
+    l = _mm512_and_si512(_mm512_srlv_epi64(both, _mm512_setr_epi64(0, 0, 4, 4, 0, 0, 4, 4)), _mm512_set1_epi8(0x0F));
+    if constexpr (q5) {
+      const uint64_t qh = load_u32(b + (off ? 4 : 2)) | static_cast<uint64_t>(load_u32(b + bytes + (off ? 4 : 2))) << 32;
+      l = _mm512_or_si512(l, O::fifth_bits(qh));
+    }
+    uint64_t h0 = load_u32(b), h1 = load_u32(b + bytes);
+    if constexpr (!off) h0 = (h0 & 0xFFFF) * 0x10001u, h1 = (h1 & 0xFFFF) * 0x10001u;  // {d, d}
+    dm = _mm_cvtph_ps(_mm_cvtsi64_si128(static_cast<int64_t>(h0 | h1 << 32)));
+  } else if constexpr (T == kQ8_0) {
+    if (g_rb1 & 1)  // TUNING
+      w = _mm512_inserti64x4(_mm512_castsi256_si512(load256(b + 2)), load256(b + 36), 1);
+    else
+      w = _mm512_mask_blend_epi64(0xF0, _mm512_broadcast_i64x4(load256(b + 2)), _mm512_broadcast_i64x4(load256(b + 36)));
+    const uint64_t h = ((load_u32(b) & 0xFFFF) | static_cast<uint64_t>(load_u32(b + 34) & 0xFFFF) << 32) * 0x10001u;
+    dm = _mm_cvtph_ps(_mm_cvtsi64_si128(static_cast<int64_t>(h)));
+  } else {
+    static_assert(T == kInt8Rows);
+    w = _mm512_loadu_si512(b);
+    dm = _mm_set1_ps(1.f);
+  }
+  if constexpr (T == kQ8_0 || T == kInt8Rows)
+    l = O::kSignedDot ? _mm512_abs_epi8(w) : _mm512_xor_si512(w, _mm512_set1_epi8(static_cast<char>(0x80)));
+}
+
+// Calls pair(u, levels, w, dm) for the unit pairs of step `step` of a row: two blocks of a
+// 32-block type, or the four pairs of a Q4_K super-block.
+template <int64_t T, class O, class F>
+QUANT_AVX512 static inline void pair_step(const uint8_t* row, int64_t step, F&& pair) {
+  if constexpr (T == kQ4_K) {
+    const uint8_t* b = row + step * 144;
+    const __m128 dd = two_halves(load_u32(b));
+    const uint32_t w0 = load_u32(b + 4), w1 = load_u32(b + 8), w2 = load_u32(b + 12);
+    const uint64_t sc = (w0 & 0x3F3F3F3Fu) |
+                        static_cast<uint64_t>((w2 & 0x0F0F0F0Fu) | ((w0 >> 2) & 0x30303030u)) << 32;
+    const uint64_t mn = (w1 & 0x3F3F3F3Fu) |
+                        static_cast<uint64_t>(((w2 >> 4) & 0x0F0F0F0Fu) | ((w1 >> 2) & 0x30303030u)) << 32;
+    const __m256 s = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(sc)))),
+                                   _mm256_broadcastss_ps(dd));
+    const __m256 o = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(mn)))),
+                                   _mm256_set1_ps(-_mm_cvtss_f32(_mm_movehdup_ps(dd))));
+    // {scale, offset} of sub-blocks 2p, 2p + 1 at pairs + 4 * (2 * (p & 1) + (p & 2) / 2)
+    alignas(32) float pairs[16];
+    _mm256_store_ps(pairs, _mm256_unpacklo_ps(s, o)), _mm256_store_ps(pairs + 8, _mm256_unpackhi_ps(s, o));
+#pragma GCC unroll 4
+    for (int p = 0; p < 4; ++p) {
+      // sub-blocks 2p and 2p + 1: the low and the high nibbles of the same 32 bytes
+      const __m512i q = _mm512_broadcast_i64x4(load256(b + 16 + 32 * p));
+      const __m512i l = _mm512_and_si512(_mm512_srlv_epi64(q, _mm512_setr_epi64(0, 0, 0, 0, 4, 4, 4, 4)),
+                                         _mm512_set1_epi8(0x0F));
+      pair(step * 8 + 2 * p, l, l, _mm_load_ps(pairs + 4 * (2 * (p & 1) + (p & 2) / 2)));
+    }
+  } else {
+    __m512i l, w;
+    __m128 dm;
+    block_pair<T, O>(row + step * 2 * quant_format(T).bytes, l, w, dm);
+    pair(step * 2, l, w, dm);
+  }
+}
+
+template <int64_t T>
+static constexpr bool pairs_kernel() {
+  return T != kQ6_K && T != kFp8Rows;
+}
+
+// Rows [n, n + RB) of the weight against one row of x (QActs with S = 1).
+template <int64_t T, class O, int RB>
+QUANT_AVX512 static inline void int_rows_pairs(const IntJob& job, int64_t n) {
+  constexpr bool offsets = int_offsets<T, O>();
+  const int64_t rb = job.row_bytes, units = job.blocks * int_units_per_block<T>();
+  const int64_t steps = T == kQ4_K ? job.blocks : units / 2;
+  const uint8_t* rows = job.w + n * rb;
+  if (g_pf_mode == 0)  // TUNING
+    for (int64_t p = 0; p < RB * rb; p += 64) __builtin_prefetch(rows + g_pf_dist + p);
+  else if (g_pf_mode == 1)
+    for (int64_t p = 0; p < RB * rb; p += 64) _mm_prefetch(reinterpret_cast<const char*>(rows + g_pf_dist + p), _MM_HINT_T1);
+  else if (g_pf_mode == 2)
+    for (int64_t p = 0; p < RB * rb; p += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(rows + g_pf_dist + p), _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(rows + 1024 + p), _MM_HINT_T0);
+    }
+  else if (g_pf_mode == 3)
+    for (int64_t p = 0; p < RB * rb; p += 64) _mm_prefetch(reinterpret_cast<const char*>(rows + g_pf_dist + p), _MM_HINT_NTA);
+  __m512 acc[RB];
+  __m128 off[RB];
+  for (int r = 0; r < RB; ++r) acc[r] = _mm512_setzero_ps(), off[r] = _mm_setzero_ps();
+  const __m512i lane_pairs = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2);
+  for (int64_t step = 0; step < steps; ++step)
+    for (int r = 0; r < RB; ++r)
+      pair_step<T, O>(rows + r * rb, step, [&](int64_t u, __m512i l, __m512i w, __m128 dm) QUANT_AVX512 {
+        __m512i xq = _mm512_loadu_si512(job.a.q + u * kUnit);
+        if constexpr (int_signed<T, O>()) xq = O::apply_sign(xq, w);
+        const __m128 p = _mm_mul_ps(dm, _mm_loadu_ps(job.a.ds + 2 * u));  // {scale * d, offset * sum} x 2
+        if constexpr (offsets) off[r] = _mm_add_ps(off[r], p);
+        const __m512 sc = _mm512_permutexvar_ps(lane_pairs, _mm512_castps128_ps512(p));
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(O::dot(l, xq)), sc, acc[r]);
+      });
+  if (T != kQ4_K && units % 2)  // the last unit of an odd count
+    for (int r = 0; r < RB; ++r)
+      int_units<T, O>(rows + r * rb, units - 1, [&](int, __m256i l, __m256i sign, auto scale) QUANT_AVX512 {
+        __m256i xq = load256(job.a.q + (units - 1) * kUnit);
+        if constexpr (int_signed<T, O>()) xq = _mm256_sign_epi8(xq, sign);
+        const __m128 p = _mm_mul_ps(scale.dm, load_pair(job.a.ds + 2 * (units - 1)));
+        if constexpr (offsets) off[r] = _mm_add_ps(off[r], p);
+        const __m256 d = _mm256_mul_ps(_mm256_cvtepi32_ps(O::dot(l, xq)), _mm256_broadcastss_ps(p));
+        acc[r] = _mm512_add_ps(acc[r], _mm512_zextps256_ps512(d));
+      });
+  for (int r = 0; r < RB; ++r) {
+    alignas(16) float o[4];
+    _mm_store_ps(o, off[r]);
+    const float rs = job.row_scale ? job.row_scale[n + r] : 1.f, b = job.bias ? job.bias[n + r] : 0.f;
+    job.y[n + r] = (_mm512_reduce_add_ps(acc[r]) + (offsets ? o[1] + o[3] : 0.f)) * rs + b;
+  }
+}
+
+template <int64_t T, class O>
+QUANT_AVX512 static inline void int_pairs_range(const IntJob& job, int64_t n0, int64_t n1) {
+  constexpr int RB = 4;
+  int64_t n = n0;
+  for (; n + RB <= n1; n += RB) int_rows_pairs<T, O, RB>(job, n);
+  for (; n < n1; ++n) int_rows_pairs<T, O, 1>(job, n);
+}
+
+// Weight rows per pass (RB) for M rows of x: enough accumulator chains (RB * M) to cover the FMA
+// latency, each row of x loaded once for RB weight rows, within the vector registers.
+template <class O, int M>
+constexpr int int_rows_per_pass() {
+  if constexpr (O::kMaxRows == 16) return M <= 4 ? 4 : (M <= 8 ? 2 : 1);
+  return M == 1 ? 4 : (M <= 3 ? 2 : 1);
+}
+
+template <int64_t T, class O, int M>
+static inline void int_group_rows(const IntJob& job, int64_t m0, int64_t valid, int64_t n0, int64_t n1) {
+  constexpr int RB = int_rows_per_pass<O, M>();
+  int64_t n = n0;
+  for (; n + RB <= n1; n += RB) int_rows<T, O, M, RB>(job, m0, valid, n);
+  if constexpr (RB > 1)
+    for (; n < n1; ++n) int_rows<T, O, M, 1>(job, m0, valid, n);
+}
+
+// Rows [m0, m0 + rows) of x, as the next compile-time count up (the extra rows are zeros).
+template <int64_t T, class O>
+static inline void int_group(const IntJob& job, int64_t m0, int64_t rows, int64_t n0, int64_t n1) {
+  if (rows == 1) return int_group_rows<T, O, 1>(job, m0, rows, n0, n1);
+  if (rows == 2) return int_group_rows<T, O, 2>(job, m0, rows, n0, n1);
+  if (rows == 3) return int_group_rows<T, O, 3>(job, m0, rows, n0, n1);
+  if (rows == 4) return int_group_rows<T, O, 4>(job, m0, rows, n0, n1);
+  if (rows <= 6) return int_group_rows<T, O, 6>(job, m0, rows, n0, n1);
+  if (O::kMaxRows == 8 || rows <= 8) return int_group_rows<T, O, 8>(job, m0, rows, n0, n1);
+  if constexpr (O::kMaxRows == 16) {
+    if (rows <= 12) return int_group_rows<T, O, 12>(job, m0, rows, n0, n1);
+    return int_group_rows<T, O, 16>(job, m0, rows, n0, n1);
+  }
+}
+
+// Output rows [n0, n1) for all M rows of x: one pass for up to O::kMaxRows, else tile by tile, the
+// later groups of rows reading the tile from L1/L2.
+template <int64_t T, class O>
+static inline void int_range(const IntJob& job, int64_t M, int64_t n0, int64_t n1) {
+  if constexpr (O::kWide && pairs_kernel<T>())
+    if (M == 1 && !(g_rb1 & 2)) return int_pairs_range<T, O>(job, n0, n1);  // TUNING
+  if (M <= O::kMaxRows) return int_group<T, O>(job, 0, M, n0, n1);
+  const int64_t tile = std::max<int64_t>(4, kIntTileBytes / job.row_bytes);
+  for (int64_t t = n0; t < n1; t += tile)
+    for (int64_t m0 = 0; m0 < M; m0 += O::kMaxRows)
+      int_group<T, O>(job, m0, std::min<int64_t>(O::kMaxRows, M - m0), t, std::min(t + tile, n1));
+}
+
+template <int64_t T>
+__attribute__((flatten)) static void int_range_avx2(const IntJob& job, int64_t M, int64_t n0, int64_t n1) {
+  int_range<T, IntAvx2>(job, M, n0, n1);
+}
+template <int64_t T>
+QUANT_AVXVNNI __attribute__((flatten)) static void int_range_avxvnni(const IntJob& job, int64_t M, int64_t n0,
+                                                                     int64_t n1) {
+  int_range<T, IntAvxVnni>(job, M, n0, n1);
+}
+template <int64_t T>
+QUANT_AVX512 __attribute__((flatten)) static void int_range_avx512(const IntJob& job, int64_t M, int64_t n0,
+                                                                   int64_t n1) {
+  int_range<T, IntAvx512>(job, M, n0, n1);
+}
+template <int64_t T>
+QUANT_VNNI512 __attribute__((flatten)) static void int_range_vnni512(const IntJob& job, int64_t M, int64_t n0,
+                                                                     int64_t n1) {
+  int_range<T, IntVnni512>(job, M, n0, n1);
+}
+#endif  // QUANT_INT_PATH
+
+// Which path qgemv takes: the float reference, or the integer path for an ISA.
+enum QuantIsa : int { kIsaFloat, kIsaAvx2, kIsaAvxVnni, kIsaAvx512, kIsaVnni512 };
+static const char* const kQuantIsaNames[] = {"float", "avx2", "avxvnni", "avx512", "vnni512"};
+static int quant_isa_forced = -1;  // -1: the best this CPU has
+
+static bool quant_isa_supported(int isa) {
+#if defined(QUANT_INT_PATH)
+  static const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                             __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+  switch (isa) {
+    case kIsaFloat: return true;
+    case kIsaAvx2: return true;  // compiled in only where the baseline has AVX2, FMA and F16C
+    case kIsaAvxVnni: return __builtin_cpu_supports("avxvnni");
+    case kIsaAvx512: return avx512;
+    case kIsaVnni512: return avx512 && __builtin_cpu_supports("avx512vnni");
+  }
+  return false;
+#else
+  return isa == kIsaFloat;
+#endif
+}
+
+static int quant_isa_now() {
+  if (quant_isa_forced >= 0) return quant_isa_forced;
+  static const int best512 = quant_isa_supported(kIsaVnni512) ? kIsaVnni512 : kIsaAvx512;
+  static const int best256 = quant_isa_supported(kIsaAvxVnni) ? kIsaAvxVnni
+                             : quant_isa_supported(kIsaAvx2) ? kIsaAvx2 : kIsaFloat;
+  return cpu_has_avx512() && quant_isa_supported(best512) ? best512 : best256;  // allow_avx512 caps it
+}
+
+// The path qgemv takes now: "vnni512", "avx512", "avxvnni", "avx2" (the integer paths) or "float".
+std::string quant_isa() { return kQuantIsaNames[quant_isa_now()]; }
+
+// Forces a path ("auto": the best the CPU has, within allow_avx512); returns the previous setting.
+// A forced integer path is taken whatever allow_avx512 says; the float path's width follows it.
+std::string set_quant_isa(std::string name) {
+  const std::string previous = quant_isa_forced < 0 ? "auto" : kQuantIsaNames[quant_isa_forced];
+  if (name == "auto") {
+    quant_isa_forced = -1;
+    return previous;
+  }
+  for (int i = 0; i < 5; ++i)
+    if (name == kQuantIsaNames[i]) {
+      TORCH_CHECK(quant_isa_supported(i), "set_quant_isa: this CPU (or build) has no ", name, " path");
+      quant_isa_forced = i;
+      return previous;
+    }
+  TORCH_CHECK(false, "set_quant_isa: unknown path ", name, " (auto, vnni512, avx512, avxvnni, avx2 or float)");
+}
+
 static const float* checked_row_scale(const c10::optional<torch::Tensor>& row_scale, int64_t type, int64_t N) {
-  TORCH_CHECK((type == kInt8Rows) == row_scale.has_value(), "quantized weight: int8 rows, and only they, take a row scale");
+  TORCH_CHECK(row_scaled(type) == row_scale.has_value(),
+              "quantized weight: int8 and fp8 rows, and only they, take a row scale");
   if (!row_scale) return nullptr;
   TORCH_CHECK(row_scale->scalar_type() == at::kFloat && row_scale->is_contiguous() && row_scale->numel() == N,
               "quantized weight: the row scale must be N float32 values");
@@ -325,9 +1000,19 @@ torch::Tensor qgemv(torch::Tensor x, torch::Tensor weight, int64_t type, c10::op
   const int64_t row_bytes = checked_row_bytes(weight, type, K);
   TORCH_CHECK(M <= kGemvMaxRows, "qgemv: at most ", kGemvMaxRows, " rows, got ", M);
   const float* rs = checked_row_scale(row_scale, type, N);
+  torch::Tensor bias32;
+  if (bias) {
+    TORCH_CHECK(bias->numel() == N, "qgemv: bias of ", N, " values, got ", bias->numel());
+    bias32 = bias->to(at::kFloat).contiguous();
+  }
+  const float* bp = bias ? bias32.data_ptr<float>() : nullptr;
   auto y = torch::empty({M, N}, x.options().dtype(at::kFloat));
-  if (M > 0) {
-    const int64_t units = K / kUnit;
+  const uint8_t* wp = weight.data_ptr<uint8_t>();
+  float* yp = y.data_ptr<float>();
+  const int64_t units = K / kUnit;
+  const int isa = type == kFp8Rows ? kIsaFloat : quant_isa_now();  // fp8 has no integer levels
+  if (M == 0) {
+  } else if (isa == kIsaFloat) {
     thread_local std::vector<float> scratch;
     scratch.resize(M * K + M * units);
     float* xs = scratch.data();
@@ -343,8 +1028,6 @@ torch::Tensor qgemv(torch::Tensor x, torch::Tensor weight, int64_t type, c10::op
       for (int64_t i = 0; i < kUnit; ++i) s += xs[m * kUnit + i];
       sums[m] = s;
     }
-    const uint8_t* wp = weight.data_ptr<uint8_t>();
-    float* yp = y.data_ptr<float>();
     const bool wide = cpu_has_avx512();
     dispatch_quant(type, [&](auto t) {
       constexpr int64_t T = decltype(t)::value;
@@ -355,8 +1038,37 @@ torch::Tensor qgemv(torch::Tensor x, torch::Tensor weight, int64_t type, c10::op
           qgemv_range_base<T>(wp, row_bytes, xs, sums, rs, yp, M, N, K, n0, n1);
       });
     });
+    if (bp) y += bias32;
+  } else {
+#if defined(QUANT_INT_PATH)
+    // rows per unit in QActs: the kernels read {d, sum} pairs four rows at a time past one row of x
+    const int64_t S = M == 1 ? 1 : (M <= 4 ? 4 : (M <= 8 ? 8 : 16));
+    const bool halves = type == kQ6_K, unsigned_dot = isa == kIsaVnni512 || isa == kIsaAvxVnni;
+    thread_local std::vector<float> scratch;  // q (int8) | ds | hs
+    scratch.resize(units * S * (kUnit / 4 + 2 + (halves ? 2 : 0)));
+    int8_t* q = reinterpret_cast<int8_t*>(scratch.data());
+    float* ds = scratch.data() + units * S * kUnit / 4;
+    float* hs = ds + units * S * 2;
+    const IntJob job{wp, row_bytes, K / quant_format(type).values, N, QActs{q, ds, hs, S}, rs, bp, yp};
+    dispatch_quant(type, [&](auto t) {
+      constexpr int64_t T = decltype(t)::value;
+      const int centre = unsigned_dot ? int_folded_centre<T, IntVnni512>() : int_folded_centre<T, IntAvx2>();
+      dispatch(x, "qgemv", [&](auto tag) {
+        using X = decltype(tag);
+        quantize_acts<X>(x.data_ptr<X>(), ldx, M, K, S, centre, halves, q, ds, hs);
+      });
+      if constexpr (T != kFp8Rows)
+        at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+          switch (isa) {
+            case kIsaVnni512: int_range_vnni512<T>(job, M, n0, n1); break;
+            case kIsaAvx512: int_range_avx512<T>(job, M, n0, n1); break;
+            case kIsaAvxVnni: int_range_avxvnni<T>(job, M, n0, n1); break;
+            default: int_range_avx2<T>(job, M, n0, n1); break;
+          }
+        });
+    });
+#endif
   }
-  if (bias) y += *bias;
   return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
 }
 
