@@ -47,7 +47,7 @@ logger = logging.getLogger(__name__)
 _SOURCE_PATHS = [Path(__file__).parent / "csrc" / name for name in
                  ("cpu_kernels.cpp", "gemv.cpp", "quant_gemv.cpp", "paged_decode.cpp", "decoder_stack.cpp")]
 _FUNCTIONS = ["paged_decode", "rms_norm", "silu_and_mul", "rotary_", "argmax_rows", "gemv", "gemv_isa",
-              "decoder_stack", "allow_avx512", "qgemv", "qdequantize", "quant_isa", "set_quant_isa", "quant_tune"]
+              "decoder_stack", "allow_avx512", "qgemv", "qdequantize", "quant_isa", "set_quant_isa"]
 
 _lock = threading.Lock()
 _module = None
