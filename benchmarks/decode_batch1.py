@@ -14,7 +14,9 @@ them: float32 and bfloat16, each with the decode GEMV (csrc/gemv.cpp) and withou
 `--quantizations none gguf int8` the weights are also served quantized (`--quantization`; gguf: the
 embedded file's own Q4_1 blocks), and each `--gguf FILE` adds that file served as stored (a Q8_0 of
 the same weights, say). With `--llama-bench PATH` llama.cpp's `llama-bench -p 0 -n 128` on each
-GGUF file (the embedded one, and every `--gguf`) takes its turn too (same threads).
+GGUF file (the embedded one, and every `--gguf`) takes its turn too (same threads), and for batches
+above 1 `llama-batched-bench` from the same directory (`-npp 16 -ntg 128 -npl B`: B sequences
+decoded together, its tg rate) when it is there.
 
     python benchmarks/decode_batch1.py
     python benchmarks/decode_batch1.py --dtypes float32 --batches 1 4 16 --repeats 5
@@ -92,6 +94,15 @@ def llama_bench(path: str, gguf: str, threads: int, repeats: int) -> float:
     return 1e3 / float(json.loads(out)[0]["avg_ts"])
 
 
+def llama_batched_bench(path: str, gguf: str, threads: int, batch: int, prompt_len: int, gen: int) -> float:
+    """ms per decode step of `batch` sequences together, from llama-batched-bench's tg figures."""
+    out = subprocess.run([path, "-m", gguf, "-c", str(batch * (prompt_len + gen) + 64), "-npp", str(prompt_len),
+                          "-ntg", str(gen), "-npl", str(batch), "-t", str(threads), "--output-format", "jsonl"],
+                         capture_output=True, text=True, check=True).stdout
+    row = json.loads(next(line for line in out.splitlines() if line.startswith("{")))
+    return row["t_tg"] / gen * 1e3
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
@@ -118,7 +129,13 @@ def main() -> int:
     variants |= {f"meshserve gguf {os.path.basename(f)}": (f"{args.dtypes[0]}:gguf:{f}", {}) for f in args.gguf}
     gguf_files = [str(default_gguf_path()), *args.gguf]
     results: dict[str, list[dict]] = {name: [] for name in variants}
-    llama: dict[str, list[float]] = {f: [] for f in gguf_files}
+    llama: dict[tuple[str, int], list[float]] = {}
+    batched = None
+    if args.llama_bench:
+        batched = os.path.join(os.path.dirname(args.llama_bench), "llama-batched-bench")
+        if any(b > 1 for b in args.batches) and not os.path.exists(batched):
+            print(f"{batched} is not there: llama.cpp runs batch 1 only", file=sys.stderr)
+            batched = None
     bandwidth: list[float] = []
     threads = None
     for r in range(args.repeats):
@@ -138,8 +155,16 @@ def main() -> int:
             steps = ", ".join(f"batch {b}: {ms:.1f}" for b, ms in info["step_ms"].items())
             print(f"round {r + 1}: {name}: ms per decode step {steps}", flush=True)
         for f in gguf_files if args.llama_bench else []:
-            llama[f].append(llama_bench(args.llama_bench, f, threads, 1))
-            print(f"round {r + 1}: llama.cpp {os.path.basename(f)}: {llama[f][-1]:.2f} ms/token", flush=True)
+            for batch in args.batches:
+                if batch == 1:
+                    ms = llama_bench(args.llama_bench, f, threads, 1)
+                elif batched:
+                    ms = llama_batched_bench(batched, f, threads, batch, args.prompt_len, args.gen)
+                else:
+                    continue
+                llama.setdefault((f, batch), []).append(ms)
+                print(f"round {r + 1}: llama.cpp {os.path.basename(f)}: batch {batch}: {ms:.2f} ms per decode step",
+                      flush=True)
         bandwidth.append(read_bandwidth(threads))
     bw = statistics.median(bandwidth)
     print(f"\nread bandwidth ({threads} threads, 1 GiB sum): {bw / 1e9:.1f} GB/s (median of {len(bandwidth)})")
@@ -155,10 +180,16 @@ def main() -> int:
             rate = nbytes / (ms / 1e3)
             print(f"{name:28} {batch:5} {ms:8.2f} {batch / ms * 1e3:9.1f} {nbytes / 1e9:8.3f} {rate / 1e9:6.1f} "
                   f"{rate / bw:12.0%}")
-    for f, times in llama.items():
-        if times:
-            ms = statistics.median(times)
-            print(f"{'llama.cpp ' + os.path.basename(f):28} {1:5} {ms:8.2f} {1e3 / ms:9.1f}")
+    for (f, batch), times in llama.items():
+        ms = statistics.median(times)
+        print(f"{'llama.cpp ' + os.path.basename(f):28} {batch:5} {ms:8.2f} {batch / ms * 1e3:9.1f}")
+    for name, (variant, _) in variants.items():
+        f = variant.split(":", 2)[2]
+        f = str(default_gguf_path()) if f == "default" and ":gguf:" in variant else f
+        for batch in args.batches:
+            if (f, batch) in llama:
+                ratio = step_ms(name, batch) / statistics.median(llama[(f, batch)])
+                print(f"{name}, batch {batch}: {ratio:.2f}x llama.cpp's time per step on {os.path.basename(f)}")
     for d in args.dtypes if not args.no_gemv_baseline and "none" in args.quantizations else []:
         for batch in args.batches:
             ratio = step_ms(f"meshserve {d} (no GEMV)", batch) / step_ms(f"meshserve {d}", batch)

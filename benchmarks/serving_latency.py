@@ -13,6 +13,12 @@ sends its own prompts, the same for both engines: a replayed prompt would be a p
     python benchmarks/serving_latency.py --vllm-python /opt/vllm-venv/bin/python
     python benchmarks/serving_latency.py --vllm-python /opt/vllm-venv/bin/python --dtype bfloat16
     python benchmarks/serving_latency.py --rates 0.5,1 --no-sweep --meshserve-args "--prefill-chunk-with-decodes 64"
+    python benchmarks/serving_latency.py --gguf MODEL.gguf --llama-server /opt/llamacpp-build/bin/llama-server \
+        --rates 1 --no-sweep --repeats 3
+
+With --gguf FILE both engines serve that file as stored instead (meshserve's `--quantization gguf`),
+and --llama-server PATH adds llama.cpp's server on it (one slot per request of the all-at-once
+load, both cores); the planner column is left out there (it plans float32 and bfloat16 only).
 
 The planner column is `meshserve plan --request-rate R --simulate-requests 32` for the embedded model
 on this machine: the TTFT and TPOT percentiles of its step-by-step simulation of runs like the
@@ -87,6 +93,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="also run meshserve with these extra flags at every load (no sweep), e.g. "
                         "'--prefill-chunk-with-decodes 64'; repeatable")
     p.add_argument("--vllm-args", default="", help="extra flags for vllm serve")
+    p.add_argument("--gguf", default=None, metavar="FILE", help="serve this GGUF file as stored (no planner column)")
+    p.add_argument("--llama-server", default=None, metavar="PATH", help="llama.cpp's llama-server: serves --gguf")
+    p.add_argument("--tokenizer", default=None, metavar="PATH",
+                   help="count prompt tokens with this tokenizer (default: the server's /tokenize; the model's "
+                        "own with --llama-server, whose /tokenize takes other fields)")
     p.add_argument("--calibration-file", default=None, help="planner calibration to use (default: measure now)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                    help="both engines' dtype, and the planner's (bfloat16 runs on AMX where the CPU has it)")
@@ -95,12 +106,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     a = p.parse_args(argv)
     if a.repeats < 1:
         p.error(f"--repeats must be at least 1, got {a.repeats}")
+    if a.llama_server and not a.gguf:
+        p.error("--llama-server serves a GGUF file: give --gguf FILE")
     return a
 
 
 def engines(a: argparse.Namespace, model_dir: str) -> list[Engine]:
     max_len = str(max_model_len(a))
-    serve = [sys.executable, "-m", "meshserve", "serve", model_dir, "--served-model-name", SERVED_NAME,
+    serve = [sys.executable, "-m", "meshserve", "serve", a.gguf or model_dir, "--served-model-name", SERVED_NAME,
              "--max-model-len", max_len, "--dtype", a.dtype, "--log-level", "warning", *shlex.split(a.meshserve_args)]
     found = [Engine("meshserve", serve)]
     found += [Engine(f"meshserve {flags}", [*serve, *shlex.split(flags)], sweep_it=False)
@@ -115,11 +128,16 @@ def engines(a: argparse.Namespace, model_dir: str) -> list[Engine]:
                                      *shlex.split(a.vllm_args)],
                             {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
                              "VLLM_CPU_OMP_THREADS_BIND": f"0-{os.cpu_count() - 1}"}))
+    if a.llama_server:
+        slots = max(a.burst_prompts, a.num_prompts)
+        found.append(Engine("llama.cpp", [a.llama_server, "-m", a.gguf, "--alias", SERVED_NAME, "--host", "127.0.0.1",
+                                          "-t", str(os.cpu_count()), "--parallel", str(slots),
+                                          "-c", str(slots * max_model_len(a))]))
     return found
 
 
 def bench_config(a: argparse.Namespace, url: str, num_prompts: int) -> BenchConfig:
-    return BenchConfig(base_url=url, model=SERVED_NAME, show_progress=False,
+    return BenchConfig(base_url=url, model=SERVED_NAME, show_progress=False, tokenizer=a.tokenizer,
                        dataset=DatasetConfig(num_prompts=num_prompts, input_len=a.input_len,
                                              output_len=a.output_len, seed=a.seed),
                        percentiles=(50.0, 95.0, 99.0),
@@ -142,7 +160,7 @@ async def measure(a: argparse.Namespace, found: list[Engine], urls: list[str], p
         for engine, url in turns if i % 2 == 0 else turns[::-1]:
             # The planner's constants: measured just before and just after meshserve's turn at the
             # load and averaged, since a shared machine's speed drifts within a minute.
-            plan_it = engine is found[0] and math.isfinite(rate)
+            plan_it = engine is found[0] and math.isfinite(rate) and not a.gguf
             before = planner_calibration(a) if plan_it else None
             async with Benchmark(bench_config(a, url, count)) as bench:
                 result = await bench.run(await bench.load_requests(seed_offset=i), LoadConfig(request_rate=rate),
@@ -357,6 +375,8 @@ def main(argv=None) -> int:
     from meshserve.models.loader import resolve_model
 
     model_dir = str(resolve_model("default").path)  # the converted HF directory: both engines read it
+    if a.llama_server and not a.tokenizer:
+        a.tokenizer = model_dir
     found = engines(a, model_dir)
     planned: dict = {}  # rate -> the planner's SimulatedLatency
     run_engines(a, found, planned)

@@ -47,7 +47,7 @@ logger = logging.getLogger(__name__)
 _SOURCE_PATHS = [Path(__file__).parent / "csrc" / name for name in
                  ("cpu_kernels.cpp", "gemv.cpp", "quant_gemv.cpp", "paged_decode.cpp", "decoder_stack.cpp")]
 _FUNCTIONS = ["paged_decode", "rms_norm", "silu_and_mul", "rotary_", "argmax_rows", "gemv", "gemv_isa",
-              "decoder_stack", "allow_avx512", "qgemv", "qdequantize", "quant_isa", "set_quant_isa"]
+              "decoder_stack", "allow_avx512", "qgemv", "qmatmul", "qdequantize", "quant_isa", "set_quant_isa"]
 
 _lock = threading.Lock()
 _module = None
@@ -76,7 +76,7 @@ def _build():
     source = "\n".join(path.read_text() for path in _SOURCE_PATHS)
     # Everything that makes two builds differ names the build: two environments sharing one cache
     # directory (a venv and the system Python) must not take turns rebuilding the same module.
-    parts = [source, *cflags, torch.__version__, sys.version.split()[0], *include_paths(),
+    parts = [source, *_FUNCTIONS, *cflags, torch.__version__, sys.version.split()[0], *include_paths(),
              sysconfig.get_paths()["include"]]
     key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
     name = f"meshserve_cpu_kernels_{key}"
@@ -202,6 +202,14 @@ def qgemv(x: torch.Tensor, data: torch.Tensor, block_type: int, row_scale: torch
     dequantized weight with that rounded x: within ~1% of the exact product, as llama.cpp computes
     it. On the float path it is the float32 product up to summation order."""
     return _kernels().qgemv(x, data, block_type, row_scale, bias)
+
+
+def qmatmul(x: torch.Tensor, data: torch.Tensor, block_type: int, row_scale: torch.Tensor | None = None,
+            bias: torch.Tensor | None = None) -> torch.Tensor:
+    """qgemv for any number of rows: on the integer paths the same kernels tile every row count
+    (prefill included, without a float copy of the weight); on the float path more than
+    GEMV_MAX_ROWS rows take the float matmul of the dequantized weight."""
+    return _kernels().qmatmul(x, data, block_type, row_scale, bias)
 
 
 def quant_isa() -> str:

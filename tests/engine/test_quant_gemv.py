@@ -175,6 +175,23 @@ def test_fp8_rows_qgemv_is_the_product_with_the_dequantized_weight(rows, dtype, 
 
 
 @pytest.mark.parametrize("name", BLOCK_TYPES)
+@pytest.mark.parametrize("rows", [17, 40, 300])
+def test_qmatmul_takes_prefill_rows(name, rows, isa):
+    """Prefill's row counts: on the integer paths the kernels tile them (300 rows of K=1024 span two
+    panels of x, 300 output rows several tiles of the weight) and round x exactly as for a decode
+    step; on the float path they are the float product of the dequantized weight."""
+    k = 1024
+    data, weight = _blocks(name, 300, k, seed=rows)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+    bias = torch.randn(300)
+    block_type = int(GGMLQuantizationType[name])
+    y = cpu_kernels.qmatmul(x, data, block_type, None, bias)
+    _check_product(y, x, weight, bias, block_type, isa)
+    if _integer_path(isa, block_type):  # row i is what a decode step of that one row computes
+        assert torch.equal(y[rows - 3:], cpu_kernels.qgemv(x[rows - 3:], data, block_type, None, bias))
+
+
+@pytest.mark.parametrize("name", BLOCK_TYPES)
 def test_the_integer_path_stays_within_one_percent_of_the_float_product(name, isa):
     k = 2048
     data, weight = _blocks(name, 64, k, seed=3)
@@ -212,8 +229,12 @@ def test_the_kernels_refuse_what_they_cannot_read():
         cpu_kernels.qgemv(torch.randn(1, 64), data[:, :30].contiguous(), q41)
     with pytest.raises(RuntimeError, match="unknown block type"):
         cpu_kernels.qdequantize(data, 99, 64)
-    with pytest.raises(RuntimeError, match="at most 16 rows"):
-        cpu_kernels.qgemv(torch.randn(17, 64), data, q41)
+    previous = cpu_kernels.set_quant_isa("float")
+    try:
+        with pytest.raises(RuntimeError, match="at most 16 rows on the float path"):
+            cpu_kernels.qgemv(torch.randn(17, 64), data, q41)
+    finally:
+        cpu_kernels.set_quant_isa(previous)
     with pytest.raises(RuntimeError, match="row scale"):
         cpu_kernels.qgemv(torch.randn(1, 64), data, q41, torch.ones(4))
     with pytest.raises(RuntimeError, match="row scale"):

@@ -30,7 +30,7 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor* w, const torch
                      const PackedRows& rows) {
   // The same choice as cpu_gemm.PrepackedMatmul.matmul and quantization/matmul.py: a few rows
   // through the GEMV of the weight as stored, float or quantized; more rows through oneDNN on the
-  // packed weight, MKL beyond, or the float matmul of the dequantized blocks.
+  // packed weight, MKL beyond; quantized weights through qmatmul whatever the rows.
   const torch::Tensor& weight = w[0];
   const torch::Tensor& packed = w[1];
   std::optional<torch::Tensor> b;
@@ -39,8 +39,7 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor* w, const torch
     const int64_t type = packed.data_ptr<int64_t>()[0];
     std::optional<torch::Tensor> scale;
     if (present(w[2])) scale = w[2];
-    if (x.size(0) <= rows.gemv_max) return qgemv(x.contiguous(), weight, type, scale, b);
-    return at::linear(x, qdequantize(weight, type, x.size(1), scale).to(x.scalar_type()), b);
+    return qmatmul(x, weight, type, scale, b);
   }
   if (x.size(0) <= rows.gemv_max) return gemv(x.contiguous(), weight, b);
   if (present(packed) && rows.min <= x.size(0) && x.size(0) <= rows.max) {

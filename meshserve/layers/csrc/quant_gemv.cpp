@@ -365,6 +365,7 @@ AVX512 static void dequantize_range_avx512(const uint8_t* w, int64_t rb, const f
 
 constexpr int64_t kIntPrefetchBytes = 8192;
 constexpr int64_t kIntTileBytes = 16384;
+constexpr int64_t kIntPanelBytes = 262144;  // a quarter of a Zen 4 / Sapphire Rapids core's L2
 
 static inline uint32_t load_u32(const uint8_t* p) {
   uint32_t v;
@@ -890,10 +891,15 @@ static inline void int_range(const IntJob& job, int64_t M, int64_t n0, int64_t n
     if (M == 1) return int_pairs_range<T, O>(job, n0, n1);
   prefetch_start(job.w, job.row_bytes, n0, n1);
   if (M <= O::kMaxRows) return int_group<T, O>(job, 0, M, n0, n1);
+  // Prefill: a panel of rows of x whose rounded values stay in L2 meets each tile of the weight
+  // from L1, so neither is streamed from memory more than once per panel.
   const int64_t tile = std::max<int64_t>(4, kIntTileBytes / job.row_bytes);
-  for (int64_t t = n0; t < n1; t += tile)
-    for (int64_t m0 = 0; m0 < M; m0 += O::kMaxRows)
-      int_group<T, O>(job, m0, std::min<int64_t>(O::kMaxRows, M - m0), t, std::min(t + tile, n1));
+  const int64_t row_acts = job.blocks * int_units_per_block<T>() * (kUnit + 8);  // a row's levels and {d, sum}
+  const int64_t panel = std::max<int64_t>(1, kIntPanelBytes / row_acts / O::kMaxRows) * O::kMaxRows;
+  for (int64_t p0 = 0; p0 < M; p0 += panel)
+    for (int64_t t = n0; t < n1; t += tile)
+      for (int64_t m0 = p0; m0 < std::min(M, p0 + panel); m0 += O::kMaxRows)
+        int_group<T, O>(job, m0, std::min<int64_t>(O::kMaxRows, M - m0), t, std::min(t + tile, n1));
 }
 
 template <int64_t T>
@@ -986,13 +992,19 @@ static int64_t checked_row_bytes(const torch::Tensor& w, int64_t type, int64_t K
   return w.size(1);
 }
 
-// F.linear(x, dequantized weight, bias) for 0 to kGemvMaxRows rows of x (float32 or bfloat16).
+// The path a weight of this block type takes now: fp8 rows have no integer levels.
+static int quant_isa_for(int64_t type) { return type == kFp8Rows ? kIsaFloat : quant_isa_now(); }
+
+// F.linear(x, dequantized weight, bias) for rows of x (float32 or bfloat16): any number on the
+// integer paths, up to kGemvMaxRows on the float path.
 torch::Tensor qgemv(torch::Tensor x, torch::Tensor weight, int64_t type, c10::optional<torch::Tensor> row_scale,
                     c10::optional<torch::Tensor> bias) {
   check_rows(x, "qgemv");
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0), ldx = x.stride(0);
   const int64_t row_bytes = checked_row_bytes(weight, type, K);
-  TORCH_CHECK(M <= kGemvMaxRows, "qgemv: at most ", kGemvMaxRows, " rows, got ", M);
+  const int isa = quant_isa_for(type);
+  TORCH_CHECK(M <= kGemvMaxRows || isa != kIsaFloat, "qgemv: at most ", kGemvMaxRows,
+              " rows on the float path, got ", M);
   const float* rs = checked_row_scale(row_scale, type, N);
   torch::Tensor bias32;
   if (bias) {
@@ -1004,7 +1016,6 @@ torch::Tensor qgemv(torch::Tensor x, torch::Tensor weight, int64_t type, c10::op
   const uint8_t* wp = weight.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
   const int64_t units = K / kUnit;
-  const int isa = type == kFp8Rows ? kIsaFloat : quant_isa_now();  // fp8 has no integer levels
   if (M == 0) {
   } else if (isa == kIsaFloat) {
     thread_local std::vector<float> scratch;
@@ -1036,7 +1047,7 @@ torch::Tensor qgemv(torch::Tensor x, torch::Tensor weight, int64_t type, c10::op
   } else {
 #if defined(QUANT_INT_PATH)
     // rows per unit in QActs: the kernels read {d, sum} pairs four rows at a time past one row of x
-    const int64_t S = M == 1 ? 1 : (M <= 4 ? 4 : (M <= 8 ? 8 : 16));
+    const int64_t S = M == 1 ? 1 : (M <= 4 ? 4 : (M <= 8 ? 8 : (M + 15) / 16 * 16));
     const bool halves = type == kQ6_K, unsigned_dot = isa == kIsaVnni512 || isa == kIsaAvxVnni;
     thread_local std::vector<float> scratch;  // q (int8) | ds | hs
     scratch.resize(units * S * (kUnit / 4 + 2 + (halves ? 2 : 0)));
@@ -1064,6 +1075,17 @@ torch::Tensor qgemv(torch::Tensor x, torch::Tensor weight, int64_t type, c10::op
 #endif
   }
   return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
+}
+
+// x @ W^T (+ bias) for any number of rows: the integer kernels for every count (prefill too, at
+// a rate near the float matmul's without a float copy of the weight), the float path's GEMV for a
+// few rows, and for more the float matmul of the dequantized weight.
+torch::Tensor qdequantize(torch::Tensor weight, int64_t type, int64_t K, c10::optional<torch::Tensor> row_scale);
+torch::Tensor qmatmul(torch::Tensor x, torch::Tensor weight, int64_t type, c10::optional<torch::Tensor> row_scale,
+                      c10::optional<torch::Tensor> bias) {
+  if (x.size(0) <= kGemvMaxRows || quant_isa_for(type) != kIsaFloat) return qgemv(x.contiguous(), weight, type,
+                                                                                 row_scale, bias);
+  return at::linear(x, qdequantize(weight, type, x.size(1), row_scale).to(x.scalar_type()), bias);
 }
 
 // The dequantized weight [N, K] in float32 (for the float matmul of many rows, and embedding rows).

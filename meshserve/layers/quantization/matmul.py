@@ -1,9 +1,10 @@
 """x @ W^T for a quantized W, on the device the blocks live on.
 
-CPU: a decode step's few rows (up to cpu_kernels.GEMV_MAX_ROWS) stream the blocks as stored through
-the C++ GEMV (csrc/quant_gemv.cpp), at the memory's pace, never expanding the weight; more rows
-(prefill) dequantize the weight once per call and take the float matmul, where the work is
-compute-bound and the dequantization a small share of it. CUDA: the Triton kernels of
+CPU: the C++ kernels (csrc/quant_gemv.cpp) read the blocks as stored, never expanding the weight:
+a decode step's few rows at the memory's pace, and on the integer paths (activations rounded to
+int8 per 32 values) prefill's many rows too, a panel of rows against each tile of the weight; on
+the float path more than GEMV_MAX_ROWS rows take the float matmul of the dequantized weight.
+CUDA: the Triton kernels of
 triton_matmul.py on the layout prepared at load. Anything else: the reference dequantization.
 """
 from __future__ import annotations
@@ -46,8 +47,8 @@ class _Segment:
 
             return cuda_quantized_matmul(x, self.cuda_weight, bias)
         qw = self.blocks
-        if x.dim() == 2 and x.shape[0] <= cpu_kernels.GEMV_MAX_ROWS and cpu_kernels.usable(x):
-            return cpu_kernels.qgemv(x.contiguous(), qw.data, int(qw.block_type), qw.row_scale, bias)
+        if x.dim() == 2 and cpu_kernels.usable(x):
+            return cpu_kernels.qmatmul(x, qw.data, int(qw.block_type), qw.row_scale, bias)
         return F.linear(x, dequantize(qw).to(x.dtype), bias)
 
 
