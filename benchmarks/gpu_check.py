@@ -1,280 +1,220 @@
 """GPU check: is the CUDA path right, and how close to the hardware does it run? One script, under
 10 minutes on one NVIDIA GPU:
 
-    python benchmarks/gpu_check.py [--tokens 32] [--enforce-eager] [--json results.json]
+    python benchmarks/gpu_check.py [--json gpu_check.json] [--keep-going] [--enforce-eager]
 
-1. Exactness: the embedded SmolLM2-135M greedy on a fixed set of prompts, on the GPU in bfloat16
-   (and in float32, which isolates the kernels from bf16 rounding) against the float32 CPU
-   reference, reported as agreement over the first N tokens of each prompt.
-2. Llama-3.1-8B geometry with dummy bf16 weights (a config.json written here, load_format="dummy"):
-   - the start-up memory breakdown (weights, activation peak, non-torch memory, reserve, KV cache);
-   - batch-1 decode time per token against the HBM floor: the bytes of weights a decode step reads
-     (all but the input embedding) / measured device copy bandwidth (bytes read + written per
-     second), the time just to stream the weights once;
-   - batch-64 decode throughput (128-token prompts);
-   - prefill tokens/s and a full-load run: max_num_seqs sequences filled to max_model_len at the
-     profiled KV budget, which must finish without running out of memory.
-Goals: batch-1 decode within 1.25x of the HBM floor; no out-of-memory in the full-load run.
+Four sections, each in a process of its own with a timeout (a sticky CUDA error or a hang ends that
+section alone), the JSON file rewritten after each one with every section's status (ok, failed,
+timeout, not run), its error and the figures it had measured:
 
-`--smoke` runs the same code on CPU with a tiny geometry in a minute: it checks the script, not
-the GPU.
+1. exactness: the embedded SmolLM2-135M on the GPU in bfloat16 (and in float32, which isolates the
+   kernels from bf16 rounding) against the float32 CPU reference: greedy token agreement over the
+   first N tokens of each prompt, and teacher-forced next-token log-probability differences (max and
+   mean |diff| over the reference's own token sequences) with the share of positions whose most
+   likely token is the same.
+2. decode (Llama-3.1-8B geometry, dummy bf16 weights, as are 3 and 4): the start-up memory breakdown;
+   batch-1 decode time per token against the HBM floor (the bytes of weights a decode step reads /
+   measured device copy bandwidth); batch-64 throughput; CUDA graph replays counted over the timed
+   steps.
+3. prefill: tokens/s over prompt-only steps after a warm-up step.
+4. full_load: sequences holding at least 90% of the profiled KV blocks at once; the activation peak
+   they reach against the profiled one.
+Goals: batch-1 decode within 1.25x of the HBM floor; no out-of-memory in the full load.
+
+Any request that ends with an error fails its section at once, with the engine step's traceback; a
+timed step that did not produce one token per sequence fails it too, as does, on CUDA, a decode
+step that ran eagerly when graphs were asked for. "completed" is true only when every section
+passed. The exit status is 0 only then; by default the first failure stops the run (`--keep-going`
+runs the remaining sections anyway).
+
+`--smoke` runs every section on CPU with a tiny random-weight model in well under a minute: it checks
+the script, not the GPU. `--fail-section NAME` makes that section's engine fail a step on purpose.
+The sections run with MESHSERVE_DISABLE_CPU_KERNELS=1 unless it is set: the CPU reference takes
+PyTorch's path rather than wait for the C++ kernels' first build.
 """
 from __future__ import annotations
 
 import argparse
-import gc
+import collections
+import contextlib
 import json
-import random
-import statistics
+import os
+import signal
+import subprocess
+import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
-import torch
-
-from meshserve import LLM, SamplingParams
-from meshserve.calibration.measure import measure_memory_bandwidth
-
-PROMPTS = [
-    "The capital of France is",
-    "def fibonacci(n):",
-    "Once upon a time, in a small village by the sea,",
-    "The three laws of thermodynamics state that",
-    "To make a cup of tea, first",
-    "The mitochondria is the powerhouse of the cell because",
-    "In 1969, the Apollo 11 mission",
-    "A haiku about autumn leaves:",
-    "The difference between a list and a tuple in Python is",
-    "Photosynthesis converts sunlight into",
-    "The best way to learn a new language is",
-    "SELECT name, age FROM users WHERE",
-]
-
-LLAMA_31_8B = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
-    "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
-    "vocab_size": 128256, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
-    "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                     "original_max_position_embeddings": 8192},
-    "tie_word_embeddings": False, "bos_token_id": 128000, "eos_token_id": 128001,
-}
-TINY = {**LLAMA_31_8B, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1000, "max_position_embeddings": 1024,
-        "rope_scaling": None}
+HERE = Path(__file__).resolve().parent
+SECTIONS = ("exactness", "decode", "prefill", "full_load")
+TIMEOUT_S = {"exactness": 180, "decode": 240, "prefill": 180, "full_load": 300}
+SMOKE_TIMEOUT_S = 120
 
 
-def section(title: str) -> None:
-    print(f"\n== {title}", flush=True)
-
-
-# ---- 1. exactness -----------------------------------------------------------------------
-def free_device_memory() -> None:
-    """After an engine is shut down and dropped: give its memory back before the next one profiles
-    its budget (which counts whatever is still allocated as its own)."""
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
-def greedy_tokens(n: int, **engine_args) -> list[list[int]]:
-    llm = LLM(**engine_args)
-    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
-    llm.engine.shutdown()
-    del llm
-    free_device_memory()
-    return [o.outputs[0].token_ids for o in outs]
-
-
-def agreement(reference: list[list[int]], other: list[list[int]]) -> dict:
-    """Tokens each prompt keeps in common with the reference before the first difference."""
-    prefixes = []
-    for ref, got in zip(reference, other):
-        same = 0
-        while same < min(len(ref), len(got)) and ref[same] == got[same]:
-            same += 1
-        prefixes.append(same)
-    n = len(reference[0])
-    return {"tokens_per_prompt": n, "matching_prefix": prefixes,
-            "agreement": sum(prefixes) / (n * len(prefixes)),
-            "identical_prompts": sum(p == n for p in prefixes), "prompts": len(prefixes)}
-
-
-def check_exactness(device: str, n: int) -> dict:
-    engine = dict(max_model_len=256, enable_prefix_caching=False)
-    reference = greedy_tokens(n, device="cpu", dtype="float32", kv_cache_memory_bytes=256 << 20, **engine)
-    results = {}
-    for dtype in ("bfloat16", "float32"):
-        kv = {"gpu_memory_utilization": 0.3} if device == "cuda" else {"kv_cache_memory_bytes": 256 << 20}
-        got = greedy_tokens(n, device=device, dtype=dtype, **kv, **engine)
-        results[dtype] = agreement(reference, got)
-        r = results[dtype]
-        print(f"{dtype:>9} on {device} vs float32 CPU: {r['agreement']:.1%} of the first {n} tokens agree "
-              f"(before each prompt's first difference); {r['identical_prompts']}/{r['prompts']} prompts "
-              f"identical; matching prefixes {r['matching_prefix']}", flush=True)
-    return results
-
-
-# ---- 2. Llama-3.1-8B geometry -----------------------------------------------------------
-class StepTimer:
-    """Drives an engine step by step and records each step's wall time (a step ends with the
-    sampled tokens on the host, so wall time is device time plus the engine's host work)."""
-
-    def __init__(self, llm: LLM, vocab: int, seed: int = 0):
-        self.engine, self.vocab = llm.engine, vocab
-        self.rng = random.Random(seed)
-        self.generated: dict[str, int] = {}
-        self._ids = 0
-
-    def add(self, batch: int, prompt_len: int, max_tokens: int) -> None:
-        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-        for _ in range(batch):
-            rid = f"r{self._ids}"
-            self._ids += 1
-            self.engine.add_request(rid, [self.rng.randrange(self.vocab) for _ in range(prompt_len)], params)
-            self.generated[rid] = 0
-
-    def step(self) -> float:
-        t0 = time.perf_counter()
-        for out in self.engine.step():
-            self.generated[out.request_id] = len(out.outputs[0].token_ids)
-        return time.perf_counter() - t0
-
-    def until_all_started(self) -> float:
-        """Step until every request has its first token (all prompts prefilled); seconds taken."""
-        total = 0.0
-        while any(n == 0 for n in self.generated.values()):
-            total += self.step()
-        return total
-
-    def finish(self) -> None:
-        while self.engine.has_unfinished_requests():
-            self.step()
-        self.generated.clear()
-
-
-def write_config(directory: Path, geometry: dict) -> Path:
-    path = directory / "config.json"
-    path.write_text(json.dumps(geometry, indent=1))
-    return path
-
-
-def decode_weight_bytes(llm: LLM) -> int:
-    """Bytes of weights a decode step reads: all of them but the input embedding, of which it
-    reads one row per sequence (the LM head, a separate matrix, is read whole)."""
-    model = llm.engine.executor.runner.model
-    return sum(p.numel() * p.element_size() for name, p in model.named_parameters()
-               if not name.startswith("embed_tokens."))
-
-
-def check_8b(device: str, geometry: dict, enforce_eager: bool, max_model_len: int, max_num_seqs: int,
-             decode_steps: int) -> dict:
-    out: dict = {}
-    bandwidth = measure_memory_bandwidth(device, nbytes=(1 << 30) if device == "cuda" else (64 << 20))
-    with tempfile.TemporaryDirectory() as tmp:
-        t0 = time.perf_counter()
-        kv = {"gpu_memory_utilization": 0.9} if device == "cuda" else {"kv_cache_memory_bytes": 256 << 20}
-        llm = LLM(str(write_config(Path(tmp), geometry)), load_format="dummy", device=device,
-                  dtype="bfloat16" if device == "cuda" else "float32", max_model_len=max_model_len,
-                  max_num_seqs=max_num_seqs, max_num_batched_tokens=8192, enable_prefix_caching=False,
-                  enforce_eager=enforce_eager, **kv)
-        out["startup_s"] = time.perf_counter() - t0
-    runner = llm.engine.executor.runner
-    out["memory_breakdown"] = runner.kv_budget.describe() if runner.kv_budget else "n/a (explicit KV budget)"
-    out["cuda_graph_sizes"] = runner.graph_sizes
-    out["weight_bytes"] = decode_weight_bytes(llm)
-    out["copy_bandwidth_bytes_per_s"] = bandwidth
-    floor = out["weight_bytes"] / bandwidth
-    print(f"started in {out['startup_s']:.1f} s; {out['memory_breakdown']}")
-    print(f"CUDA graphs for decode batches: {runner.graph_sizes or 'none (eager)'}")
-    vocab = geometry["vocab_size"]
-    timer = StepTimer(llm, vocab)
-
-    # Batch-1 decode against the HBM floor.
-    timer.add(1, 128, decode_steps + 8)
-    timer.until_all_started()
-    for _ in range(4):
-        timer.step()  # warm-up
-    per_token = statistics.median(timer.step() for _ in range(decode_steps))
-    timer.finish()
-    out["batch1_decode_s_per_token"] = per_token
-    out["hbm_floor_s_per_token"] = floor
-    ratio = per_token / floor
-    print(f"batch-1 decode: {per_token * 1e3:.2f} ms/token; HBM floor {floor * 1e3:.2f} ms "
-          f"({out['weight_bytes'] / 1e9:.2f} GB of weights / {bandwidth / 1e9:.0f} GB/s copy bandwidth): "
-          f"{ratio:.2f}x the floor (goal <= 1.25x: {'met' if ratio <= 1.25 else 'not met'})", flush=True)
-
-    # Batch-64 decode throughput.
-    batch = min(64, max_num_seqs)
-    timer.add(batch, 128, decode_steps + 8)
-    timer.until_all_started()
-    for _ in range(4):
-        timer.step()
-    step_s = statistics.median(timer.step() for _ in range(decode_steps))
-    timer.finish()
-    out["batch64_decode_tokens_per_s"] = batch / step_s
-    print(f"batch-{batch} decode: {batch / step_s:.0f} tokens/s ({step_s * 1e3:.2f} ms per step)", flush=True)
-
-    # Prefill and the full-load run: max_num_seqs sequences reaching max_model_len.
-    new_tokens = 16
-    prompt_len = max_model_len - new_tokens
-    if device == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    timer.add(max_num_seqs, prompt_len, new_tokens)
-    prefill_s = timer.until_all_started()
-    out["prefill_tokens_per_s"] = max_num_seqs * prompt_len / prefill_s
-    timer.finish()
-    peak = torch.cuda.max_memory_allocated() if device == "cuda" else 0
-    out["full_load"] = {"sequences": max_num_seqs, "tokens_each": max_model_len, "completed": True,
-                        "peak_allocated_bytes": peak}
-    print(f"prefill: {out['prefill_tokens_per_s']:.0f} tokens/s ({max_num_seqs} prompts x {prompt_len} tokens, "
-          f"chunks of 8192); full load ({max_num_seqs} sequences x {max_model_len} tokens) completed without "
-          f"running out of memory; peak allocated {peak / 2**30:.2f} GiB", flush=True)
-    llm.engine.shutdown()
-    del llm, timer, runner
-    free_device_memory()
-    return out
-
-
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("?")[0] + "?")
     ap.add_argument("--tokens", type=int, default=32, help="greedy tokens per prompt in the exactness check")
-    ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs in the 8B runs")
+    ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (no replays are then required)")
     ap.add_argument("--max-model-len", type=int, default=4096)
-    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--max-num-seqs", type=int, default=64, help="the decode section's largest batch")
     ap.add_argument("--decode-steps", type=int, default=32, help="timed decode steps per measurement")
-    ap.add_argument("--skip-exactness", action="store_true")
-    ap.add_argument("--skip-8b", action="store_true")
-    ap.add_argument("--json", default=None, help="also write the results here")
-    ap.add_argument("--smoke", action="store_true", help="CPU, tiny geometry: checks the script only")
-    args = ap.parse_args()
-    started = time.perf_counter()
+    ap.add_argument("--full-load-max-model-len", type=int, default=8192)
+    ap.add_argument("--full-load-max-num-seqs", type=int, default=128,
+                    help="with --full-load-max-model-len, bounds the tokens the full load can place")
+    ap.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS))
+    ap.add_argument("--timeout-s", type=float, default=None, help="per section (default: each its own)")
+    ap.add_argument("--keep-going", action="store_true", help="run the remaining sections after a failure")
+    ap.add_argument("--json", default="gpu_check.json", help="results, rewritten after each section")
+    ap.add_argument("--smoke", action="store_true", help="CPU, tiny model: checks the script only")
+    ap.add_argument("--fail-section", choices=SECTIONS, default=None,
+                    help="force an engine step of this section to fail (checks the failure path)")
+    # A section's own process: what the parent starts.
+    ap.add_argument("--section", choices=SECTIONS, help=argparse.SUPPRESS)
+    ap.add_argument("--settings", help=argparse.SUPPRESS)
+    ap.add_argument("--result", help=argparse.SUPPRESS)
+    return ap.parse_args(argv)
+
+
+def _sections_module():
+    sys.path.insert(0, str(HERE))
+    import gpu_check_sections
+    return gpu_check_sections
+
+
+def settings_from(args: argparse.Namespace) -> dict:
+    """gpu_check_common.Settings' fields, which each section's process reads. This process imports
+    neither torch nor meshserve on a smoke run, and on a GPU creates no CUDA context, so that the
+    sections profile a device that holds nothing of it."""
     if args.smoke:
-        device, geometry = "cpu", TINY
-        args.tokens, args.max_model_len, args.max_num_seqs, args.decode_steps = 4, 256, 4, 4
-    else:
-        if not torch.cuda.is_available():
-            raise SystemExit("no CUDA device: run this on a machine with an NVIDIA GPU "
-                             "(or --smoke to check the script)")
-        device, geometry = "cuda", LLAMA_31_8B
-    results: dict = {"device": device}
-    if device == "cuda":
-        props = torch.cuda.get_device_properties(0)
-        results.update(gpu=props.name, capability=f"{props.major}.{props.minor}",
-                       memory_gib=props.total_memory / 2**30, torch=torch.__version__)
-        print(f"{props.name} (compute capability {props.major}.{props.minor}, "
-              f"{props.total_memory / 2**30:.1f} GiB), torch {torch.__version__}")
-    if not args.skip_exactness:
-        section(f"exactness: embedded SmolLM2-135M, greedy, {len(PROMPTS)} prompts x {args.tokens} tokens")
-        results["exactness"] = check_exactness(device, args.tokens)
-    if not args.skip_8b:
-        section("Llama-3.1-8B geometry, dummy weights" + (" (tiny geometry: smoke run)" if args.smoke else ""))
-        results["llama_8b"] = check_8b(device, geometry, args.enforce_eager, args.max_model_len,
-                                       args.max_num_seqs, args.decode_steps)
-    results["elapsed_s"] = time.perf_counter() - started
-    print(f"\ndone in {results['elapsed_s']:.0f} s")
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1))
+        return {"device": "cpu", "smoke": True, "tokens": 4, "max_model_len": 256, "max_num_seqs": 4,
+                "decode_steps": 4, "fail_section": args.fail_section}
+    import torch
+    if not torch.cuda.is_available():
+        raise SystemExit("no CUDA device: run this on a machine with an NVIDIA GPU (or --smoke to check the script)")
+    keys = ("tokens", "enforce_eager", "max_model_len", "max_num_seqs", "decode_steps", "full_load_max_model_len",
+            "full_load_max_num_seqs", "fail_section")
+    return {"device": "cuda", "smoke": False, **{k: getattr(args, k) for k in keys}}
+
+
+def child_main(args: argparse.Namespace) -> int:
+    """One section in this process; exits without the interpreter's teardown, which a device in an
+    error state can hang."""
+    # On a timeout the parent asks first: finally blocks then run, and a build lock this process
+    # holds (torch's C++ extension builds) is released instead of blocking every later build.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    mod = _sections_module()
+    settings = mod.Settings(**json.loads(args.settings))
+    with tempfile.TemporaryDirectory() as tmp:
+        code = mod.run_section(args.section, settings, Path(args.result), Path(tmp))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+class SectionProcess:
+    """A section's process, its output passed through and its tail kept for the error text."""
+
+    def __init__(self, name: str, settings: dict, result: Path):
+        cmd = [sys.executable, "-u", str(Path(__file__).resolve()), "--section", name, "--result", str(result),
+               "--settings", json.dumps(settings)]
+        # The CPU reference and the smoke run take PyTorch's path: the C++ CPU kernels' first build
+        # takes a minute of a section's time on a fresh machine, and they are not what is checked.
+        env = {"MESHSERVE_DISABLE_CPU_KERNELS": "1", **os.environ}
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                                     start_new_session=True)  # its own group: a timeout ends what it started
+        self.tail: collections.deque[str] = collections.deque(maxlen=40)
+        self.reader = threading.Thread(target=self._pass_through, daemon=True)
+        self.reader.start()
+
+    def _pass_through(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            sys.stdout.write(line)
+            sys.stdout.flush()
+            self.tail.append(line)
+
+    def wait(self, timeout_s: float) -> int | None:
+        """The exit code, or None after killing it at the timeout."""
+        code: int | None = None
+        try:
+            code = self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            pass
+        finally:  # a timeout, or this process interrupted: nothing of the section outlives it
+            if code is None:
+                self._stop()
+        self.reader.join(5)
+        return code
+
+    def _stop(self, grace_s: float = 5.0) -> None:
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(grace_s)
+        except subprocess.TimeoutExpired:  # stuck in a device call, which a signal handler waits for
+            pass
+        with contextlib.suppress(ProcessLookupError):  # the group's other processes, or a child that ignored it
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+
+
+def run_section(name: str, settings: dict, timeout_s: float, workdir: Path) -> tuple[dict, dict]:
+    """(the section's entry for the JSON, the device as its process saw it)."""
+    result = workdir / f"{name}.json"
+    t0 = time.perf_counter()
+    proc = SectionProcess(name, settings, result)
+    code = proc.wait(timeout_s)
+    elapsed = time.perf_counter() - t0
+    doc = json.loads(result.read_text()) if result.exists() else {}
+    entry = {"status": doc.get("status", "failed"), "elapsed_s": elapsed, **doc.get("figures", {})}
+    if code is None:
+        entry["status"] = "timeout"
+        entry["error"] = f"no result after {timeout_s:.0f} s; the process was killed"
+    elif code != 0 or entry["status"] != "ok":
+        entry["status"] = "failed"
+        entry["error"] = doc.get("error") or f"the process exited with {code} without a result"
+    if entry["status"] != "ok":  # what it printed last: the error of a process that died without a result
+        entry["summary"] = doc.get("summary") or entry["error"].strip().splitlines()[-1]
+        entry["output_tail"] = "".join(proc.tail)
+    return entry, doc.get("device_info", {})
+
+
+def write_json(path: Path, results: dict) -> None:
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(json.dumps(results, indent=1, default=str))
+    os.replace(partial, path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.section:
+        return child_main(args)
+    settings = settings_from(args)
+    started = time.perf_counter()
+    out = Path(args.json)
+    results: dict = {"device": settings["device"], "smoke": settings["smoke"], "completed": False,
+                     "sections": {name: {"status": "not run"} for name in args.sections}}
+    write_json(out, results)
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.sections:
+            print(f"\n== {name}", flush=True)
+            timeout = args.timeout_s or (SMOKE_TIMEOUT_S if args.smoke else TIMEOUT_S[name])
+            entry, device = run_section(name, settings, timeout, Path(tmp))
+            results.update({k: v for k, v in device.items() if k not in results})
+            results["sections"][name] = entry
+            results["completed"] = all(e["status"] == "ok" for e in results["sections"].values())
+            results["elapsed_s"] = time.perf_counter() - started
+            write_json(out, results)
+            if entry["status"] != "ok":
+                print(f"\nsection {name}: {entry['status']}: {entry['summary']}", flush=True)
+                if not args.keep_going:
+                    break
+    statuses = ", ".join(f"{n} {e['status']}" for n, e in results["sections"].items())
+    print(f"\n{'completed' if results['completed'] else 'NOT completed'} in {results['elapsed_s']:.0f} s "
+          f"({statuses}); results in {out}", flush=True)
+    return 0 if results["completed"] else 1
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

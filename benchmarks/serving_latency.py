@@ -17,8 +17,8 @@ sends its own prompts, the same for both engines: a replayed prompt would be a p
         --rates 1 --no-sweep --repeats 3
 
 With --gguf FILE both engines serve that file as stored instead (meshserve's `--quantization gguf`),
-and --llama-server PATH adds llama.cpp's server on it (one slot per request of the all-at-once
-load, both cores); the planner column is left out there (it plans float32 and bfloat16 only).
+and --llama-server PATH adds llama.cpp's server on it (--llama-server-slots, 16 by default,
+each of --max-model-len tokens; both cores); the planner column is left out there (it plans float32 and bfloat16 only).
 
 The planner column is `meshserve plan --request-rate R --simulate-requests 32` for the embedded model
 on this machine: the TTFT and TPOT percentiles of its step-by-step simulation of runs like the
@@ -95,6 +95,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--vllm-args", default="", help="extra flags for vllm serve")
     p.add_argument("--gguf", default=None, metavar="FILE", help="serve this GGUF file as stored (no planner column)")
     p.add_argument("--llama-server", default=None, metavar="PATH", help="llama.cpp's llama-server: serves --gguf")
+    p.add_argument("--llama-server-slots", type=int, default=16, help="llama-server --parallel (default: %(default)s)")
     p.add_argument("--tokenizer", default=None, metavar="PATH",
                    help="count prompt tokens with this tokenizer (default: the server's /tokenize; the model's "
                         "own with --llama-server, whose /tokenize takes other fields)")
@@ -129,7 +130,10 @@ def engines(a: argparse.Namespace, model_dir: str) -> list[Engine]:
                             {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
                              "VLLM_CPU_OMP_THREADS_BIND": f"0-{os.cpu_count() - 1}"}))
     if a.llama_server:
-        slots = max(a.burst_prompts, a.num_prompts)
+        # Slots of max_model_len tokens each; requests beyond them queue in the server. 16 by
+        # default, the batch of the decode comparison (quantized.py): at 1 req/s about 8 requests
+        # are in flight.
+        slots = a.llama_server_slots
         found.append(Engine("llama.cpp", [a.llama_server, "-m", a.gguf, "--alias", SERVED_NAME, "--host", "127.0.0.1",
                                           "-t", str(os.cpu_count()), "--parallel", str(slots),
                                           "-c", str(slots * max_model_len(a))]))

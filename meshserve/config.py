@@ -194,7 +194,10 @@ def cpu_has_amx_bf16() -> bool:
 def _cuda_bf16_supported(device: torch.device) -> bool:
     import torch
     with torch.cuda.device(device):  # emulated bf16 (pre-Ampere) runs far slower than float16
-        return bool(torch.cuda.is_bf16_supported(including_emulation=False))
+        try:
+            return bool(torch.cuda.is_bf16_supported(including_emulation=False))
+        except TypeError:  # an older torch, without including_emulation: native bf16 is Ampere on
+            return torch.cuda.get_device_capability(device)[0] >= 8
 
 
 def _cuda_available() -> bool:

@@ -34,11 +34,21 @@ class ExpertLoadRecorder:
         self.num_experts = num_experts
         self._row = {layer: i for i, layer in enumerate(self.layers)}
         self._counts: torch.Tensor | None = None
+        # While a decode graph is captured: 1 for the rows of a replay that are real, 0 for its
+        # padding, refilled before each replay (None: every row is real).
+        self.row_mask: torch.Tensor | None = None
 
     def add(self, layer: int, counts: torch.Tensor) -> None:
         if self._counts is None:
             self._counts = torch.zeros(len(self.layers), self.num_experts, dtype=torch.long, device=counts.device)
         self._counts[self._row[layer]] += counts
+
+    def add_routed(self, layer: int, ids: torch.Tensor, counts: torch.Tensor) -> None:
+        """`counts` of the experts chosen in `ids` [tokens, top_k], less a graph replay's padding."""
+        if self.row_mask is not None:
+            real = self.row_mask[:, None].expand_as(ids).reshape(-1)
+            counts = torch.zeros_like(counts).scatter_add_(0, ids.reshape(-1), real)
+        self.add(layer, counts)
 
     def take(self) -> dict[int, list[int]]:
         """This step's counts by layer, and start a new step."""

@@ -10,6 +10,10 @@ grouped matmuls, and each token's k results are summed in a fixed order.
 - **Fixed reduction order.** Each token's k expert outputs are scaled by their router weights and
   added in ascending expert order (the order transformers' reference accumulates in), element-wise,
   so a token's sum never depends on which other tokens share the batch or on which rank ran the expert.
+- **On CUDA** (with Triton) the grouping stays on the device and one grouped Triton matmul per
+  projection runs every expert (layers/triton_moe.py): no token count is read on the host, so a
+  decode step through it can be captured in a CUDA graph. Expert parallelism and quantized experts
+  keep the loop below, and decode steps through them run eagerly (`graph_unsafe_reason`).
 - **Sharding.** Without expert parallelism every TP rank holds a 1/TP slice of every expert's
   intermediate size (like a dense MLP) and one all-reduce at the end sums the partials. With it
   (EP = TP) each rank holds E/EP whole experts and the tokens travel to them
@@ -28,6 +32,7 @@ from torch import nn
 from meshserve.distributed import expert_parallel
 from meshserve.distributed.expert_load import ExpertLoadRecorder
 from meshserve.distributed.parallel_state import get_parallel_state
+from meshserve.layers import fused
 from meshserve.layers.activation import silu_and_mul
 from meshserve.layers.linear import ReplicatedLinear
 from meshserve.layers.quantization.blocks import QuantizedWeight, check_block_split
@@ -191,13 +196,36 @@ class SparseMoeBlock(nn.Module):
         if self.ep_size > 1:
             return self._forward_expert_parallel(ps, x)
         weights, ids = route(self.gate(x), self.router)
-        order, counts = sort_by_expert(ids, self.router.num_experts)
-        self._record(counts)
-        sorted_out = self.experts(x[order // self.router.top_k], counts.tolist())
-        y = self._unsort_and_sum(sorted_out, order, weights, ids)
+        if self.experts.quant is None and fused.triton_path(x):
+            y = self._grouped_on_device(x, weights, ids)
+        else:
+            order, counts = sort_by_expert(ids, self.router.num_experts)
+            self._record(counts)
+            sorted_out = self.experts(x[order // self.router.top_k], counts.tolist())
+            y = self._unsort_and_sum(sorted_out, order, weights, ids)
         if self.shared_expert is not None:
             y = y + self._shared(x)
         return ps.all_reduce(y)
+
+    def graph_unsafe_reason(self) -> str | None:
+        """Why a forward through this block cannot be captured in a CUDA graph, or None."""
+        if self.ep_size > 1:
+            return "expert parallelism: the all-to-all splits are token counts read on the host"
+        if self.experts.quant is not None:
+            return "quantized experts: their loop reads each expert's token count on the host"
+        return None
+
+    def _grouped_on_device(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The Triton path (layers/triton_moe.py): grouped on the device, no host reads, so that
+        a decode step can be captured; the same fixed-order weighted sum as the eager path."""
+        kernels, pairs_total = fused.moe_kernels(), ids.numel()
+        pairs, tile_expert, counts = kernels.group_pairs(ids, self.router.num_experts)
+        if self.recorder is not None:  # captured in decode graphs, whose padding rows are routed too
+            assert self.layer is not None, "the model sets the layer with the recorder"
+            self.recorder.add_routed(self.layer, ids, counts)
+        gate_up = kernels.expert_matmul(x, self.experts.w13, pairs, tile_expert, pairs_total, self.router.top_k)
+        out = kernels.expert_matmul(silu_and_mul(gate_up), self.experts.w2, pairs, tile_expert, pairs_total, 1)
+        return weighted_sum(out, weights, ids, self.router.float32_weights)
 
     def _forward_expert_parallel(self, ps, x: torch.Tensor) -> torch.Tensor:
         start, end = expert_parallel.token_slice(x.shape[0], ps.ep_size, ps.ep_rank)

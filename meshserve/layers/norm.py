@@ -3,7 +3,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from meshserve.layers import cpu_kernels
+from meshserve.layers import cpu_kernels, fused
 
 
 class RMSNorm(nn.Module):
@@ -14,7 +14,13 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """norm(x); with `residual`, (norm(x + residual), x + residual): the residual add of the
-        previous sub-layer fused into this norm, as the decoder layers use it."""
+        previous sub-layer fused into this norm, as the decoder layers use it. The C++ and Triton
+        kernels write the sum into `residual` in place."""
+        if x.dim() == 2 and fused.triton_path(x):
+            if residual is None:
+                return fused.kernels().add_rms_norm(x, self.weight, self.eps)
+            residual = residual.contiguous()
+            return fused.kernels().add_rms_norm(x, self.weight, self.eps, residual), residual
         if x.dim() == 2 and cpu_kernels.usable(x, self.weight):
             if residual is None:
                 return cpu_kernels.rms_norm(x, self.weight, self.eps)

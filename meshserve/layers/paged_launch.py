@@ -7,7 +7,7 @@ Triton, hence this module.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 # tl.dot needs every dimension of its operands to be at least 16 on NVIDIA GPUs.
 MIN_DOT = 16
@@ -18,6 +18,12 @@ KEYS_PER_ITERATION = 64  # keys each program loads per loop iteration
 DECODE_TARGET_PROGRAMS = 264
 MAX_DECODE_SPLITS = 16
 MIN_KEYS_PER_SPLIT = 256
+# Shared memory one program may use: A100's per-block limit is 164 KB (H100/H200: 227 KB). The
+# tiles are chosen statically against it, so that no GPU of these fails to compile them.
+SHARED_MEMORY_BUDGET = 160 * 1024
+# (keys per iteration, software-pipeline stages), preferred first. Float32 tiles on head_dim 128
+# take (32, 2): (64, 3) would need about 240 KB.
+TILE_CHOICES = ((64, 3), (64, 2), (32, 2), (32, 1), (16, 1))
 
 
 def next_power_of_2(n: int) -> int:
@@ -30,6 +36,7 @@ class TileShape:
     block_q: int
     heads_padded: int
     block_n: int = KEYS_PER_ITERATION
+    num_stages: int = 3
 
     @property
     def rows(self) -> int:
@@ -67,3 +74,23 @@ def decode_splits(batch: int, kv_heads: int, max_context: int | None = None) -> 
         fits = max(1, max_context // MIN_KEYS_PER_SPLIT)
         splits = min(splits, 1 << (fits.bit_length() - 1))  # largest power of two <= fits
     return splits
+
+
+def shared_memory_bytes(tile: TileShape, head_dim_p: int, q_bytes: int, kv_bytes: int) -> int:
+    """A static upper estimate of one program's shared memory: the software pipeline's
+    `num_stages` buffers of the K and V tiles as loaded, a K/V tile widened to q's dtype when the
+    cache holds another (fp8), and the Q and weights tiles staged as tl.dot operands."""
+    kv_tiles = 2 * tile.num_stages * tile.block_n * head_dim_p * kv_bytes
+    widened = tile.block_n * head_dim_p * q_bytes if kv_bytes != q_bytes else 0
+    return kv_tiles + widened + tile.rows * head_dim_p * q_bytes + tile.rows * tile.block_n * q_bytes
+
+
+def fit_shared_memory(tile: TileShape, head_dim_p: int, q_bytes: int, kv_bytes: int,
+                      budget: int = SHARED_MEMORY_BUDGET) -> TileShape:
+    """`tile` with the first (block_n, num_stages) of TILE_CHOICES whose estimate fits `budget`."""
+    for block_n, stages in TILE_CHOICES:
+        fitted = replace(tile, block_n=block_n, num_stages=stages)
+        if shared_memory_bytes(fitted, head_dim_p, q_bytes, kv_bytes) <= budget:
+            return fitted
+    raise ValueError(f"no attention tile of {tile.rows} rows x head_dim {head_dim_p} fits {budget} bytes")
+

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from meshserve.layers import cpu_kernels
+from meshserve.layers import cpu_kernels, fused
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
@@ -37,6 +37,26 @@ def compute_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None
     raise ValueError(f"rope_scaling type {kind!r} is not supported (default, linear, llama3)")
 
 
+class RotaryRows:
+    """The cos/sin rows of one step's positions, gathered once per dtype and shared by every layer
+    (a step's layers all rotate at the same positions)."""
+
+    def __init__(self, rotary: RotaryEmbedding, positions: torch.Tensor):
+        self.rotary, self.positions = rotary, positions
+        self._rows: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def cos_sin(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) [T, D] in `dtype`, gathered from the float32 tables and then cast."""
+        rows = self._rows.get(dtype)
+        if rows is None:
+            rows = self._rows[dtype] = (self.rotary.cos[self.positions].to(dtype),
+                                        self.rotary.sin[self.positions].to(dtype))
+        return rows
+
+
+Positions = torch.Tensor | RotaryRows  # what the layers pass down: raw positions or the step's rows
+
+
 class RotaryEmbedding(nn.Module):
     cos: torch.Tensor  # [max_positions, head_dim] float32 buffers, registered in __init__
     sin: torch.Tensor
@@ -49,24 +69,44 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 
+    def at(self, positions: Positions) -> RotaryRows:
+        """The step's rows, for the model to gather once and hand to every layer."""
+        return positions if isinstance(positions, RotaryRows) else RotaryRows(self, positions)
+
     @staticmethod
     def _rotate_half(x: torch.Tensor) -> torch.Tensor:
         half = x.shape[-1] // 2
         return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """q: [T, heads, D], k: [T, kv_heads, D]; positions: [T]."""
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+    def forward(self, positions: Positions, q: torch.Tensor, k: torch.Tensor):
+        """q: [T, heads, D], k: [T, kv_heads, D]; positions: [T] (or their RotaryRows)."""
+        cos, sin = self.at(positions).cos_sin(q.dtype)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         return q * cos + self._rotate_half(q) * sin, k * cos + self._rotate_half(k) * sin
 
-    def apply_qkv(self, positions: torch.Tensor, qkv: torch.Tensor, num_heads: int, num_kv_heads: int):
-        """Split a fused QKV projection [T, (H + 2 KVH) D] into q [T, H, D], k and v [T, KVH, D],
-        with q and k rotated (in place in qkv on the CPU kernel path)."""
+    def apply_qkv(self, positions: Positions, qkv: torch.Tensor, num_heads: int, num_kv_heads: int,
+                  store: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None):
+        """Split a fused QKV projection [T, (H + 2KVH) D] into q [T, H, D], k and v [T, KVH, D],
+        with q and k rotated (in place in qkv on the CPU and Triton kernel paths). `store` (slots,
+        k_cache, v_cache): on the Triton path, the kernel that rotates also stores k and v in
+        the caches; the caller checks with `stores_kv` that it does."""
         t, d = qkv.shape[0], self.cos.shape[-1]
-        fused = cpu_kernels.usable(qkv) and self.cos.dtype == torch.float32 and qkv.stride(-1) == 1
-        if fused:
-            cpu_kernels.rotary_(qkv, positions, self.cos, self.sin, num_heads + num_kv_heads, d)
+        rows = self.at(positions)
+        if fused.triton_path(qkv) and qkv.stride(-1) == 1:
+            cos, sin = rows.cos_sin(qkv.dtype)
+            fused.kernels().rope_and_cache(qkv, cos, sin, num_heads, num_kv_heads, *(store or ()))
+            fused_in_place = True
+        else:
+            fused_in_place = cpu_kernels.usable(qkv) and self.cos.dtype == torch.float32 and qkv.stride(-1) == 1
+            if fused_in_place:
+                cpu_kernels.rotary_(qkv, rows.positions, self.cos, self.sin, num_heads + num_kv_heads, d)
         q, k, v = qkv.split([num_heads * d, num_kv_heads * d, num_kv_heads * d], dim=-1)
         q, k, v = q.view(t, num_heads, d), k.view(t, num_kv_heads, d), v.view(t, num_kv_heads, d)
-        return (q, k, v) if fused else (*self(positions, q, k), v)
+        return (q, k, v) if fused_in_place else (*self(rows, q, k), v)
+
+    @staticmethod
+    def stores_kv(qkv: torch.Tensor, k_cache: torch.Tensor) -> bool:
+        """Whether apply_qkv can store K/V into these caches as it rotates (Triton path, contiguous
+        caches of the activation dtype; an fp8 cache takes the attention backend's write)."""
+        return fused.triton_path(qkv) and qkv.stride(-1) == 1 and k_cache.dtype == qkv.dtype \
+            and k_cache.is_contiguous()

@@ -142,17 +142,19 @@ class Sampler:
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, seq_ids: list[int], params: list[SamplingParams],
                  seed_keys: list[int], histories: list | None = None,
-                 allowed: list[bytes | None] | None = None) -> SamplerOutput:
+                 allowed: list[bytes | None] | None = None, greedy: torch.Tensor | None = None) -> SamplerOutput:
         """`histories[r]`: (prompt ids, output ids) of a penalized row whose state this sampler does
         not hold yet (None otherwise); later steps need none. `allowed[r]`: the token mask of a
-        constrained row (structured outputs), None for the others, which are left as they are."""
+        constrained row (structured outputs), None for the others, which are left as they are.
+        `greedy`: the argmax of `logits` if already taken (in a CUDA graph), for plain greedy rows."""
         b, v = logits.shape
         want_lp = [p.logprobs for p in params]
         masks = allowed if allowed is not None and any(m is not None for m in allowed) else None
         if all(p.greedy and not p.has_penalties for p in params) and not any(n is not None for n in want_lp):
             if masks is not None:
-                logits = _mask(logits, masks)
-            return SamplerOutput(_argmax(logits).tolist(), [None] * b)  # the argmax of the logits as computed
+                logits, greedy = _mask(logits, masks), None
+            tokens = _argmax(logits) if greedy is None else greedy
+            return SamplerOutput(tokens.tolist(), [None] * b)  # the argmax of the logits as computed
         logits = logits.float()
         # Logprobs are the model's own distribution's, before a constraint and the penalties.
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(n is not None for n in want_lp) else None

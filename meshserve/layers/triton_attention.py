@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from meshserve.layers.paged_launch import TileShape, decode_tile, next_power_of_2, prefill_tile
+from meshserve.layers.paged_launch import TileShape, decode_tile, fit_shared_memory, next_power_of_2, prefill_tile
 
 LOG2_E = 1.4426950408889634
 
@@ -42,7 +42,9 @@ def _e4m3_bytes_as_f16(x):
     return (((b & 0x80) << 8) | ((b & 0x7F) << 7)).to(tl.float16, bitcast=True)
 
 
-@triton.jit
+# The block tables' width changes from step to step (prefill tables are padded to the step's
+# widest): specialized on, each new value class (1, multiple of 16, other) would be a compile.
+@triton.jit(do_not_specialize=["stride_bt"])
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, split_max_ptr, split_sum_ptr,
     block_tables_ptr, context_lens_ptr, query_start_ptr, tile_seq_ptr, tile_start_ptr,
@@ -171,9 +173,10 @@ def e4m3_as_bits(device: torch.device) -> bool:
 
 def _common_args(q, k_cache, v_cache, scale: float, num_heads: int, tile: TileShape, k_scale: float,
                  v_scale: float, e4m3_bits: bool | None) -> tuple[tuple, tuple, dict]:
-    """((k_cache, v_cache), (score scale x log2 e, output scale, strides...), constexprs) as the
-    kernel takes them. k_scale / v_scale apply to fp8 caches only; e4m3_bits None: read
-    float8_e4m3fn as bytes where e4m3_as_bits says so (True: always, as the tests do)."""
+    """((k_cache, v_cache), (score scale x log2 e, output scale, strides...), constexprs and
+    num_stages) as the kernel takes them, the tile fitted to the shared memory budget
+    (paged_launch.fit_shared_memory). k_scale / v_scale apply to fp8 caches only; e4m3_bits
+    None: read float8_e4m3fn as bytes where e4m3_as_bits says so (True: always, as the tests do)."""
     head_dim = q.shape[-1]
     group = num_heads // k_cache.shape[2]
     bits = False
@@ -185,9 +188,12 @@ def _common_args(q, k_cache, v_cache, scale: float, num_heads: int, tile: TileSh
             k_cache, v_cache, bits = k_cache.view(torch.uint8), v_cache.view(torch.uint8), True
             scale, v_scale = scale * 256.0, v_scale * 256.0  # the float16 patterns hold value / 2^8
     strides = (q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
+    head_dim_p = max(16, next_power_of_2(head_dim))
+    tile = fit_shared_memory(tile, head_dim_p, q.element_size(), k_cache.element_size())
     consts = dict(GROUP=group, HEADS_P=tile.heads_padded, BLOCK_Q=tile.block_q, BLOCK_N=tile.block_n,
-                  HEAD_DIM=head_dim, HEAD_DIM_P=max(16, next_power_of_2(head_dim)), BLOCK_SIZE=k_cache.shape[1],
-                  DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", FP8_E4M3_BITS=bits)
+                  HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, BLOCK_SIZE=k_cache.shape[1],
+                  DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", FP8_E4M3_BITS=bits,
+                  num_stages=tile.num_stages)
     return (k_cache, v_cache), (scale * LOG2_E, v_scale, *strides), consts
 
 

@@ -18,7 +18,7 @@ from meshserve.layers.linear import (
     RowParallelLinear,
 )
 from meshserve.layers.norm import RMSNorm
-from meshserve.layers.rotary import RotaryEmbedding
+from meshserve.layers.rotary import Positions, RotaryEmbedding
 from meshserve.layers.weight_loader import weight_loader
 from meshserve.models.cpu_decoder_stack import CPUDecoderStack
 from meshserve.models.model_config import ModelConfig
@@ -46,9 +46,19 @@ class LlamaAttention(nn.Module):
         self.rotary = rotary
         self.attn = PagedAttention()  # runs on whichever backend built the step's metadata
 
-    def forward(self, positions, h, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
-        q, k, v = self.rotated_qkv(positions, self.qkv_proj(h))
-        o = self.attn(q, k, v, kv_cache[0], kv_cache[1], meta)
+    # The rotary kernel may store K/V as it rotates: false where the heads change before the rotation.
+    rotates_fused_qkv = True
+
+    def forward(self, positions: Positions, h, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
+        qkv = self.qkv_proj(h)
+        k_cache, v_cache = kv_cache[0], kv_cache[1]
+        if self.rotates_fused_qkv and self.attn.reads_cache_only(meta) and self.rotary.stores_kv(qkv, k_cache):
+            q, _, _ = self.rotary.apply_qkv(positions, qkv, self.num_heads, self.num_kv_heads,
+                                            store=(meta.slot_mapping, k_cache, v_cache))
+            o = self.attn.attend_cached(q, k_cache, v_cache, meta)
+        else:
+            q, k, v = self.rotated_qkv(positions, qkv)
+            o = self.attn(q, k, v, k_cache, v_cache, meta)
         return self.o_proj(o.reshape(h.shape[0], self.num_heads * self.head_dim))
 
     def rotated_qkv(self, positions, qkv: torch.Tensor):
@@ -58,6 +68,7 @@ class LlamaAttention(nn.Module):
 class QKNormAttention(LlamaAttention):
     """Qwen3: each query and key head is RMS-normalised (one weight vector over head_dim) before the
     rotary embedding."""
+    rotates_fused_qkv = False
 
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding):
         super().__init__(cfg, rotary)
@@ -133,6 +144,7 @@ class LlamaForCausalLM(nn.Module):
         self.is_first, self.is_last = ps.is_first_stage, ps.is_last_stage
         assert cfg.head_dim is not None, "ModelConfig.__post_init__ fills head_dim"
         rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+        self.rotary = rotary  # every layer's: the model gathers a step's cos/sin rows once for all of them
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size) if self.is_first else None
         self.layers = nn.ModuleDict({str(i): self.make_layer(cfg, i, rotary) for i in self.layer_range})
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if self.is_last else None
@@ -168,8 +180,9 @@ class LlamaForCausalLM(nn.Module):
         if self.cpu_stack is not None and self.cpu_stack.accepts(h, kv_caches, meta):
             h, residual = self.cpu_stack(positions, h, kv_caches, meta)
         else:
+            rows = self.rotary.at(positions)
             for i, layer in self.layers.items():
-                h, residual = layer(positions, h, residual, kv_caches[int(i) - self.layer_range.start], meta)
+                h, residual = layer(rows, h, residual, kv_caches[int(i) - self.layer_range.start], meta)
         if residual is None:  # a stage without layers
             return self.norm(h) if self.norm is not None else h
         return self.norm(h, residual)[0] if self.norm is not None else h + residual

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -112,13 +113,15 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.attn_backend = select_backend(self.device, AttentionSpec(attn.num_heads, attn.num_kv_heads,
                                                                       self.block_size))
-        no_graphs = graphs_disabled_reason(self.device.type, config.enforce_eager, self.attn_backend,
-                                           self.ps.tp_size)
+        no_graphs = graphs_disabled_reason(self.device.type, config.enforce_eager, self.attn_backend, self.model)
         max_decode_batch = min(config.max_num_seqs, config.batched_token_budget(max_model_len))
         self.graph_sizes = capture_sizes(max_decode_batch) if no_graphs is None else []
         if self.device.type == "cuda" and no_graphs is not None and self.ps.rank == 0:
             logger.info("decode steps run eagerly: %s", no_graphs)
         self.graphs: DecodeGraphs | None = None
+        # Per forward of this step on the last stage: a replay's (logits, argmax) of all its rows,
+        # else None; sample() takes them when the step was that one replay.
+        self._step_heads: list[tuple[torch.Tensor, torch.Tensor] | None] = []
         self.kv_budget: KVCacheBudget | None = None  # the measured breakdown, on CUDA
         # MoE routing counts: every rank of a stage sees the same global counts, its first TP rank reports them.
         self.expert_load: ExpertLoadRecorder | None = (getattr(self.model, "expert_load", None)
@@ -211,7 +214,9 @@ class ModelRunner:
                                    self.block_size)
                 hidden = None if self.ps.is_first_stage else torch.zeros(
                     decode.num_tokens, self.model.cfg.hidden_size, dtype=self.dtype, device=dev)
-                self._run_eager(decode, hidden, dummy_cache)
+                out = self._run_eager(decode, hidden, dummy_cache)
+                if (head := self._graph_head()) is not None:  # captured with the forward
+                    head(out).argmax(-1)
             torch.cuda.synchronize(dev)
             graph_bytes = torch.cuda.max_memory_allocated(dev) - base
         del dummy_cache
@@ -236,13 +241,19 @@ class ModelRunner:
         hidden_size = None if self.ps.is_first_stage else self.model.cfg.hidden_size
         inputs = DecodeGraphInputs(max(self.graph_sizes), -(-self.max_model_len // self.block_size), pad_block,
                                    self.block_size, self.device, hidden_size, self.dtype)
-        self.graphs = DecodeGraphs(self.model, self.kv_caches, inputs, self.graph_sizes, self.attn_backend)
+        self.graphs = DecodeGraphs(self.model, self.kv_caches, inputs, self.graph_sizes, self.attn_backend,
+                                   head=self._graph_head())
         self.graphs.capture()
         torch.cuda.synchronize(self.device)
         used = free_before - torch.cuda.mem_get_info(self.device)[0]
         logger.info("rank %d: captured CUDA graphs for decode batches %s in %.1f s (%.2f GiB; budgeted %.2f GiB)",
                     self.ps.rank, self.graph_sizes, time.perf_counter() - t0, used / 2**30,
                     (self.kv_budget.profile.cuda_graph_bytes if self.kv_budget else 0) / 2**30)
+
+    def _graph_head(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """The LM head to capture with decode graphs: the last stage's, without tensor parallelism
+        (whose vocab-parallel head gathers logits across ranks, left to the eager path)."""
+        return self.model.compute_logits if self.ps.is_last_stage and self.ps.tp_size == 1 else None
 
     # ---- one step ----------------------------------------------------------------------
     def _run_eager(self, packed: PackedStep, hidden: torch.Tensor | None, kv_caches: list[torch.Tensor]):
@@ -255,18 +266,26 @@ class ModelRunner:
         stage's hidden states on later ones). Returns the hidden states and the rows that sample."""
         packed = pack_step(step, self.block_size)
         if self.graphs is not None and self.graphs.can_run(packed):
-            return self.graphs.run(packed, hidden), packed.sample_rows
+            out = self.graphs.run(packed, hidden)
+            if self.ps.is_last_stage:
+                every_row = packed.sample_rows == list(range(len(packed.decode_context_lens)))
+                self._step_heads.append(self.graphs.last_head if every_row else None)
+            return out, packed.sample_rows
+        if self.ps.is_last_stage:
+            self._step_heads.append(None)
         return self._run_eager(packed, hidden, self.kv_caches), packed.sample_rows
 
     @torch.inference_mode()
     def sample(self, step: StepInput, hidden_rows: torch.Tensor | None) -> SamplerOutput | None:
         """Last stage: logits of the sampling rows on every TP rank (the vocab-parallel head gathers
         them), tokens on the sampling rank only."""
+        heads, self._step_heads = self._step_heads, []
         if self.sampler is not None:
             self.sampler.forget(step.finished_seq_ids)
         if hidden_rows is None or hidden_rows.shape[0] == 0:
             return None
-        logits = self.model.compute_logits(hidden_rows)
+        head = heads[0] if len(heads) == 1 else None  # two micro-batches' replays share the graph's memory
+        logits = self.model.compute_logits(hidden_rows) if head is None else head[0]
         if self.sampler is None:
             return None
         sampling = [s for s in step.seqs if s.sample]
@@ -275,4 +294,5 @@ class ModelRunner:
             assert s.params is not None, "the engine sends the params of every sequence that samples"
             params.append(s.params)
         return self.sampler(logits, [s.seq_id for s in sampling], params, [s.seed_key for s in sampling],
-                            [s.history for s in sampling], [s.allowed for s in sampling])
+                            [s.history for s in sampling], [s.allowed for s in sampling],
+                            greedy=None if head is None else head[1])

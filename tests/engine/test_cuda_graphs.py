@@ -9,9 +9,13 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are defined
 import torch
 from tiny_model import tiny_runner
 
+from meshserve.distributed.expert_load import ExpertLoadRecorder
+from meshserve.distributed.parallel_state import ParallelState, set_parallel_state
+from meshserve.layers import fused
 from meshserve.layers.attention import AttentionSpec, create_backend
 from meshserve.layers.attention.triton_backend import TritonAttentionMetadata
 from meshserve.layers.cpu_gemm import PrepackedMatmul
+from meshserve.layers.moe import RouterSpec, SparseMoeBlock
 from meshserve.worker.cuda_graphs import (
     DecodeGraphInputs,
     DecodeGraphs,
@@ -45,11 +49,65 @@ def test_a_step_pads_up_to_the_smallest_size_that_holds_it():
 def test_when_graphs_are_used():
     spec = AttentionSpec(4, 2, BLOCK)
     triton, reference = create_backend("triton", spec, CPU), create_backend("torch", spec, CPU)
-    assert graphs_disabled_reason("cuda", False, triton, 1) is None
-    assert "enforce_eager" in graphs_disabled_reason("cuda", True, triton, 1)
-    assert "torch attention backend" in graphs_disabled_reason("cuda", False, reference, 1)
-    assert "tensor parallel" in graphs_disabled_reason("cuda", False, triton, 2)
-    assert graphs_disabled_reason("cpu", False, triton, 1) is not None
+    assert graphs_disabled_reason("cuda", False, triton) is None
+    assert "enforce_eager" in graphs_disabled_reason("cuda", True, triton)
+    assert "torch attention backend" in graphs_disabled_reason("cuda", False, reference)
+    assert graphs_disabled_reason("cpu", False, triton) is not None
+
+
+def test_moe_blocks_that_read_the_host_run_eagerly():
+    """Tensor parallelism captures (no condition on it); an MoE block on the expert loop vetoes."""
+    triton = create_backend("triton", AttentionSpec(4, 2, BLOCK), CPU)
+    set_parallel_state(ParallelState())
+    block = SparseMoeBlock(16, 32, RouterSpec(4, 2, renormalize=True))
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), block)
+    assert graphs_disabled_reason("cuda", False, triton, model) is None
+    block.experts.quant = []  # what GroupedExperts.quantize sets for quantized experts
+    assert "quantized experts" in graphs_disabled_reason("cuda", False, triton, model)
+    block.experts.quant, block.ep_size = None, 2
+    assert "expert parallelism" in graphs_disabled_reason("cuda", False, triton, model)
+
+
+def test_a_replays_padding_rows_are_not_counted_as_expert_load():
+    """In a captured decode step the padding rows are routed like real ones; the recorder counts
+    only the rows the replay marks as real."""
+    set_parallel_state(ParallelState())
+    torch.manual_seed(0)
+    block = SparseMoeBlock(16, 32, RouterSpec(4, 2, renormalize=True))
+    for p in block.parameters():  # made empty, for a checkpoint to fill
+        torch.nn.init.normal_(p, std=0.2)
+    block.layer, block.recorder = 0, ExpertLoadRecorder([0], 4)
+    x = torch.randn(6, 16)
+    with fused.force_triton(), torch.inference_mode():
+        block(x[:2])
+        alone = block.recorder.take()[0]
+        block.recorder.row_mask = torch.tensor([1, 1, 0, 0, 0, 0])
+        padded = block(torch.cat([x[:2], x[2:]]))
+        masked = block.recorder.take()[0]
+        block.recorder.row_mask = None
+        torch.testing.assert_close(padded[:2], block(x[:2]), rtol=1e-5, atol=1e-5)
+    assert masked == alone and sum(alone) == 2 * 2
+
+
+def test_capture_hands_the_real_rows_to_the_expert_load_recorder():
+    class Probe(torch.nn.Module):  # a model whose forward reads what the recorder sees
+        def __init__(self):
+            super().__init__()
+            self.expert_load = ExpertLoadRecorder([0], 4)
+
+        def forward(self, ids, positions, caches, meta, hidden=None):
+            return self.expert_load.row_mask.float()[:, None] * torch.ones(1, 3)
+
+    backend = create_backend("triton", AttentionSpec(4, 2, BLOCK), CPU)
+    inputs = DecodeGraphInputs(4, 4, 9, BLOCK, torch.device("cpu"))
+    model = Probe()
+    graphs = DecodeGraphs(model, [], inputs, [4], backend, new_capture=RerunCapture)
+    graphs.capture()
+    assert model.expert_load.row_mask is None  # set for the capture only
+    model.expert_load.row_mask = inputs.real_rows(4)  # what the captured kernels keep reading
+    packed = pack_step(_decodes([5, 9, 3]), BLOCK)
+    graphs.run(packed)
+    assert inputs.real_rows(4).tolist() == [1, 1, 1, 0]
 
 
 def _decodes(contexts: list[int], first_block: int = 0) -> StepInput:
@@ -70,8 +128,8 @@ def test_refill_writes_the_step_then_padding_rows():
     inputs.fill(wide, 4)
     narrow = pack_step(_decodes([3]), BLOCK)
     inputs.fill(narrow, 2)
-    ids, positions, slots, lens = inputs.scalars[:, :2].tolist()
-    assert ids == [10, 0] and positions == [2, 0] and lens == [3, 1]
+    ids, positions, slots, lens, real = inputs.scalars[:, :2].tolist()
+    assert ids == [10, 0] and positions == [2, 0] and lens == [3, 1] and real == [1, 0]
     assert slots == [2, pad_block * BLOCK]  # padding writes into the spare block only
     assert inputs.block_tables[:2, 0].tolist() == [0, pad_block]
     # Columns past this step's width keep the wide step's blocks: unread, since lens bound every read.

@@ -16,3 +16,14 @@ class PagedAttention:
                  v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, KVH, D]; caches: [num_blocks, block_size, KVH, D]. Returns [T, H, D]."""
         return meta.backend.forward(q, k, v, k_cache, v_cache, meta, self.kv_scales)
+
+    @staticmethod
+    def reads_cache_only(meta: AttentionMetadata) -> bool:
+        """Whether the step's backend can attend once the step's K/V are in the caches, written by
+        the kernel that applies the rotary embedding (rotary.apply_qkv's `store`)."""
+        return callable(getattr(meta.backend, "attend_cached", None))
+
+    def attend_cached(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      meta: AttentionMetadata) -> torch.Tensor:
+        """Attention of q [T, H, D] over caches that already hold this step's K/V."""
+        return meta.backend.attend_cached(q, k_cache, v_cache, meta, self.kv_scales)  # type: ignore[attr-defined]

@@ -2,8 +2,10 @@
 step's prefills and one for all its decodes, each reading K/V in place through the block tables
 (an fp8 cache as stored, widened in the kernel).
 
-Every integer of a step goes to the device in one copy. A decode batch's metadata depends only
-on its size, so this backend's decodes can be captured in CUDA graphs (worker/cuda_graphs.py).
+Every integer of a step goes to the device in one copy, through persistent staging buffers, each
+array 16-byte aligned (host_to_device.py); decode block tables stay on the device and a step
+sends only the entries that changed. A decode batch's metadata depends only on its size, so this
+backend's decodes can be captured in CUDA graphs (worker/cuda_graphs.py).
 Triton itself is imported when a backend object is made, never by importing this module.
 """
 from __future__ import annotations
@@ -21,7 +23,7 @@ from meshserve.layers.attention.base import (
     padded_tables,
 )
 from meshserve.layers.attention.registry import register_backend
-from meshserve.layers.host_to_device import arrays_to_device
+from meshserve.layers.host_to_device import BlockTableRows, HostStaging
 from meshserve.layers.paged_launch import decode_splits, prefill_tile, query_tiles
 
 
@@ -46,12 +48,17 @@ class TritonBackend(AttentionBackend):
     name = "triton"
     supports_cuda_graphs = True
     metadata_type = TritonAttentionMetadata
+    # Decode block tables stay on the device between steps, only their changes sent (False: the
+    # whole padded tables every step, the baseline of benchmarks/host_step.py).
+    incremental_tables = True
 
     def __init__(self, spec, device):
         super().__init__(spec, device)
         from meshserve.layers import triton_attention
 
         self._kernels = triton_attention
+        self.staging = HostStaging(self.device)
+        self.decode_tables = BlockTableRows(self.device)
 
     def build_inputs(self, packed: PackedStep) -> ForwardInputs:
         arrays = [packed.input_ids, packed.positions, packed.slot_mapping]
@@ -63,9 +70,12 @@ class TritonBackend(AttentionBackend):
                        [p.num_cached + n for p, n in zip(packed.prefills, q_lens)],
                        [b for t in tables for b in t], tile_seq, tile_start]
         if packed.decode_context_lens:
-            dec_tables, dec_width = padded_tables(packed.decode_block_tables)
-            arrays += [packed.decode_context_lens, [b for t in dec_tables for b in t]]
-        tensors = arrays_to_device(arrays, torch.long, self.device)
+            if self.incremental_tables:
+                arrays += [packed.decode_context_lens, *self.decode_tables.delta(packed.decode_block_tables)]
+            else:
+                dec_tables, dec_width = padded_tables(packed.decode_block_tables)
+                arrays += [packed.decode_context_lens, [b for t in dec_tables for b in t]]
+        tensors = self.staging.to_device(arrays)
         ids, positions, slots = tensors[:3]
         meta = TritonAttentionMetadata(backend=self, slot_mapping=slots, num_prefill_tokens=packed.num_prefill_tokens)
         rest = tensors[3:]
@@ -75,11 +85,20 @@ class TritonBackend(AttentionBackend):
             meta.prefill_launch = PrefillLaunch(starts, lens, flat_tables.view(len(packed.prefills), width),
                                                 tile_seq_t, tile_start_t)
         if packed.decode_context_lens:
-            lens, flat_tables = rest
+            lens = rest[0]
             meta.decode_context_lens = lens
-            meta.decode_block_tables = flat_tables.view(len(lens), dec_width)
+            if self.incremental_tables:
+                self.decode_tables.apply(*rest[1:])
+                meta.decode_block_tables = self.decode_tables.rows(len(lens))
+            else:
+                meta.decode_block_tables = rest[1].view(len(lens), dec_width)
             meta.decode_splits = decode_splits(len(lens), self.spec.num_kv_heads, max(packed.decode_context_lens))
         return ForwardInputs(ids, positions, meta)
+
+    def attend_cached(self, q, k_cache, v_cache, meta: TritonAttentionMetadata, scales: KVScales) -> torch.Tensor:
+        """Attention once the step's K/V are in the caches (stored by the rotary kernel,
+        layers/triton_fused.rope_and_cache): the kernels read nothing else."""
+        return self._attend(q, None, None, k_cache, v_cache, meta, scales)
 
     def _attend(self, q, k, v, k_cache, v_cache, meta: TritonAttentionMetadata, scales: KVScales) -> torch.Tensor:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)

@@ -201,7 +201,7 @@ def prepare_cuda_weight(qw: QuantizedWeight, device: torch.device) -> CudaQuantW
 # ---------------------------------------------------------------------------------------------
 # The kernel.
 
-@triton.jit
+@triton.jit(do_not_specialize=["M", "stride_os"])  # the row count varies by step; one compile serves all
 def _quant_matmul_kernel(
     x_ptr, w_ptr, scale_ptr, offset_ptr, bias_ptr, out_ptr,
     M, N, K, k_per_split,
