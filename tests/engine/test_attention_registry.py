@@ -78,7 +78,9 @@ def test_each_backend_builds_its_own_metadata(name):
     assert type(meta) is backend.metadata_type and meta.backend is backend
     assert ids.tolist() == packed.input_ids and positions.tolist() == packed.positions
     assert meta.slot_mapping.tolist() == packed.slot_mapping and meta.num_prefill_tokens == 3
-    assert meta.decode_context_lens.tolist() == [10] and meta.decode_block_tables.tolist() == [[1, 2]]
+    # Triton keeps its decode tables on the device, wider than this step's (they grow in powers of
+    # two): what lies past a row's blocks is never read, the context lengths bound every read.
+    assert meta.decode_context_lens.tolist() == [10] and meta.decode_block_tables[:, :2].tolist() == [[1, 2]]
 
 
 def test_importing_the_package_does_not_import_triton():
