@@ -62,17 +62,23 @@ def child(variant: str, repeats: int, prompt_len: int, gen: int, batches: list[i
 
     from meshserve import LLM, SamplingParams
     dtype, quantization, model = variant.split(":", 2)
-    llm = LLM(model, dtype=dtype, quantization=quantization, max_model_len=512, kv_cache_memory_bytes=64 << 20)
+    # Room for every sequence of the largest batch at once (float32 K/V of the embedded model: 46 KB
+    # a token), so that a batch is decoded together, never queued or preempted.
+    llm = LLM(model, dtype=dtype, quantization=quantization, max_model_len=max(512, prefill_len + 8),
+              kv_cache_memory_bytes=max(64 << 20, max(batches) * (prompt_len + gen + 32) * (64 << 10)))
     engine = llm.engine
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(1000, 20000, (prompt_len,), generator=g).tolist() for _ in range(max(batches))]
 
     def timed(batch: int, tokens: int) -> float:
         engine.block_manager.reset_prefix_cache()
+        steps = engine.timeline.steps
         t0 = time.perf_counter()
         out = llm.generate(prompts[:batch], SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True))
         elapsed = time.perf_counter() - t0
         assert all(len(o.outputs[0].token_ids) == tokens for o in out)
+        # one step for the prompts, one per further token: the whole batch decoded together
+        assert engine.timeline.steps - steps == tokens, (batch, tokens, engine.timeline.steps - steps)
         return elapsed
 
     timed(max(batches), 8)  # warm-up
