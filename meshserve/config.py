@@ -85,6 +85,13 @@ class EngineConfig:
     step_trace: str | None = flag(None, "append one JSON line per engine step to FILE: start time, prompt tokens, "
                                         "sequences decoding, context tokens and the time of each phase",
                                   metavar="FILE")
+    kv_role: str = flag("both", "prefill|decode: this engine's side of a disaggregated KV hand-off (both: the "
+                                "colocated engine)", choices=("both", "prefill", "decode"))
+    kv_transport: str = flag("tcp", "how K/V travel between a prefill and a decode engine (tcp between any hosts; "
+                                    "pg: torch.distributed, NCCL between GPUs; inproc: one process)",
+                             choices=("tcp", "pg", "inproc"))
+    kv_host: str = flag("127.0.0.1", "the address a decode engine receives K/V on")
+    kv_port: int = flag(0, "the port a decode engine receives K/V on (0: any free port)")
     enforce_eager: bool = flag(False, "CUDA: run every step eagerly instead of replaying CUDA graphs for "
                                       "decode steps")
 
@@ -115,6 +122,9 @@ class EngineConfig:
         if self.distributed_executor_backend not in ("mp", "ray"):
             raise ValueError("distributed_executor_backend must be 'mp' or 'ray', "
                              f"got {self.distributed_executor_backend!r}")
+        if self.kv_role not in ("both", "prefill", "decode"):
+            raise ValueError(f"kv_role must be both, prefill or decode, got {self.kv_role!r}")
+        check_range("kv_port", self.kv_port, 0, 65535, integer=True)
         if self.pipeline_split is not None and len(self.pipeline_split) != self.pipeline_parallel_size:
             raise ValueError(f"pipeline_split has {len(self.pipeline_split)} entries but "
                              f"pipeline_parallel_size is {self.pipeline_parallel_size}")

@@ -1,6 +1,7 @@
 """Tokenizer: text <-> token ids and chat templates, built from GGUF metadata or a HF tokenizer.json."""
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -136,3 +137,10 @@ class Tokenizer:
                "chat_template": self.chat_template, "clean_up_tokenization_spaces": False,
                "model_max_length": 1 << 30}
         (path / "tokenizer_config.json").write_text(json.dumps(cfg, indent=1))
+
+
+def tokenizer_hash(tokenizer: object) -> str:
+    """A fingerprint of the vocabulary and merges (two replicas agree on token ids iff it matches)."""
+    identity = getattr(tokenizer, "identity", None)
+    text = identity() if callable(identity) else f"{type(tokenizer).__name__}:{getattr(tokenizer, 'vocab_size', '')}"
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]

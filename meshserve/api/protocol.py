@@ -107,6 +107,8 @@ class CompletionRequest(SamplingFields):
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
+    # A prefill replica's hand-off: the descriptor a decode replica made (POST /v1/kv/transfers).
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class TextPart(StrictModel):
@@ -190,6 +192,16 @@ class ReservationRequest(StrictModel):
     request_id: str = Field(default="", max_length=128)
     attempt_id: str = Field(default="", max_length=64)
     cache_salt: str | None = Field(default=None, max_length=MAX_CACHE_SALT_CHARS)
+
+
+class KVTransferRequest(StrictModel):
+    """POST /v1/kv/transfers on a decode replica: the destination blocks of a prompt's K/V, under a
+    reservation the caller holds there."""
+    lease_id: str = Field(min_length=1, max_length=128)
+    prompt_token_ids: list[int] = Field(min_length=1)
+    cache_salt: str | None = Field(default=None, max_length=MAX_CACHE_SALT_CHARS)
+    request_id: str = Field(default="", max_length=128)
+    attempt_id: str = Field(default="", max_length=64)
 
 
 class DetokenizeRequest(StrictModel):

@@ -82,6 +82,18 @@ def _add_workload_args(p: argparse.ArgumentParser, *, model_help: str) -> None:
     g.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
 
 
+def _add_cost_args(p: argparse.ArgumentParser) -> None:
+    # Not on `bench scaling`: each of its layouts is a different fleet, so one replica count
+    # would price most of them wrongly.
+    g = p.add_argument_group("cost")
+    g.add_argument("--cost-per-replica-hour", type=float, default=None, metavar="PRICE",
+                   help="price of one replica for one hour, any currency; adds fleet cost, cost per "
+                        "request, per goodput request and per million output tokens")
+    g.add_argument("--num-replicas", type=int, default=1, metavar="N",
+                   help="replicas paid for during the run, e.g. 2 for 1 prefill + 1 decode "
+                        "(default 1)")
+
+
 def config_from_args(args: argparse.Namespace, base_url: str, model: str | None) -> BenchConfig:
     dataset = DatasetConfig(
         name=args.dataset_name, path=args.dataset_path, num_prompts=args.num_prompts,
@@ -97,7 +109,9 @@ def config_from_args(args: argparse.Namespace, base_url: str, model: str | None)
         request_timeout_s=args.request_timeout, num_warmups=args.num_warmups, dataset=dataset,
         load=load, percentile_metrics=parse_metric_names(args.percentile_metrics),
         percentiles=parse_csv_floats(args.metric_percentiles, "--metric-percentiles"),
-        goodput=parse_goodput(args.goodput), show_progress=not args.disable_tqdm)
+        goodput=parse_goodput(args.goodput), show_progress=not args.disable_tqdm,
+        cost_per_replica_hour=getattr(args, "cost_per_replica_hour", None),
+        num_replicas=getattr(args, "num_replicas", 1))
 
 
 def _result_path(args: argparse.Namespace, kind: str, result: dict) -> str:
@@ -229,6 +243,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                "--goodput ttft:1500 tpot:80 --save-result")
     p.add_argument("--base-url", default=DEFAULT_URL)
     _add_workload_args(p, model_help="model name in requests (default: the server's first)")
+    _add_cost_args(p)
     p.set_defaults(func=_guarded(cmd_serve))
 
     p = sub.add_parser(
@@ -250,6 +265,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--full-curve", action="store_true",
                    help="run every load even after the SLO has failed")
     _add_workload_args(p, model_help="model name in requests (default: the server's first)")
+    _add_cost_args(p)
     p.set_defaults(func=_guarded(cmd_sweep))
 
     p = sub.add_parser(

@@ -4,6 +4,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from meshserve.bench.cost import check_cost_args
+
 DATASETS = ("random", "prefix", "sharegpt", "jsonl")
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
 METRICS = ("ttft", "tpot", "itl", "e2el")
@@ -89,6 +91,8 @@ class BenchConfig:
     percentiles: tuple[float, ...] = (50.0, 95.0, 99.0)
     goodput: dict[str, float] = field(default_factory=dict)  # metric -> SLO in ms
     show_progress: bool = True
+    cost_per_replica_hour: float | None = None  # None: no cost figures
+    num_replicas: int = 1  # replicas the price is paid for, e.g. 2 for 1 prefill + 1 decode
 
     def __post_init__(self) -> None:
         if not self.base_url.startswith(("http://", "https://")):
@@ -110,6 +114,7 @@ class BenchConfig:
                 raise ValueError(f"--goodput {name!r} is not one of {', '.join(GOODPUT_METRICS)}")
             if not slo > 0:
                 raise ValueError(f"--goodput {name}:{slo:g} must be > 0 ms")
+        check_cost_args(self.cost_per_replica_hour, self.num_replicas)
 
     @property
     def chat(self) -> bool:

@@ -17,6 +17,7 @@ import numpy as np
 
 from meshserve.bench.client import RequestRecord
 from meshserve.bench.config import METRICS
+from meshserve.bench.cost import cost_metrics
 
 
 def percentile_key(p: float) -> str:
@@ -61,7 +62,8 @@ def meets_slo(rec: RequestRecord, slos_ms: dict[str, float]) -> bool:
 def compute_metrics(records: Sequence[RequestRecord], duration: float,
                     percentile_metrics: Sequence[str] = METRICS,
                     percentiles: Sequence[float] = (50, 95, 99),
-                    goodput_ms: dict[str, float] | None = None) -> dict:
+                    goodput_ms: dict[str, float] | None = None,
+                    cost_per_replica_hour: float | None = None, num_replicas: int = 1) -> dict:
     done = [r for r in records if r.success]
     failed = [r for r in records if not r.success]
     input_tokens = sum(
@@ -91,6 +93,9 @@ def compute_metrics(records: Sequence[RequestRecord], duration: float,
             # Over every request sent: a failure is a missed SLO too.
             "slo_attainment": good / len(records) if records else 0.0,
         })
+    if cost_per_replica_hour is not None:
+        result.update(cost_metrics(cost_per_replica_hour, num_replicas, duration, len(done), out_tokens,
+                                   result.get("good_requests")))
     samples = {
         "ttft": [r.ttft for r in done],
         "tpot": [t for t in map(request_tpot, done) if t is not None],

@@ -43,6 +43,14 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     return "\n".join([line(cells[0]), rule] + [line(r) for r in cells[1:]])
 
 
+COST_FIELDS = ("fleet_cost", "cost_per_request", "cost_per_goodput_request", "cost_per_million_output_tokens")
+
+
+def money(value: float | None) -> str:
+    """Significant digits, not fixed decimals: a cost per request is often a few millionths."""
+    return "n/a" if value is None else f"{value:.5g}"
+
+
 def _kv(name: str, value: Any) -> str:
     return f"{name + ':':<{WIDTH - 10}}{fmt(value):>10}"
 
@@ -72,6 +80,15 @@ def format_result(r: dict) -> str:
                   f"  SLO: {slos}"]
     lines += [_kv("Output token throughput (tok/s)", r["output_throughput"]),
               _kv("Total token throughput (tok/s)", r["total_token_throughput"])]
+    if "fleet_cost" in r:
+        lines += [_rule("Cost"),
+                  _kv("Cost per replica-hour", money(r["cost_per_replica_hour"])),
+                  _kv("Replicas", r["num_replicas"]),
+                  _kv("Fleet cost (whole run)", money(r["fleet_cost"])),
+                  _kv("Cost per request", money(r["cost_per_request"]))]
+        if "cost_per_goodput_request" in r:
+            lines.append(_kv("Cost per goodput request", money(r["cost_per_goodput_request"])))
+        lines.append(_kv("Cost per million output tokens", money(r["cost_per_million_output_tokens"])))
     if r.get("requests_without_usage"):
         lines.append(f"  note: {r['requests_without_usage']} responses had no usage; their "
                      "output tokens were counted from chunks")
@@ -91,7 +108,7 @@ def comparable_fields(a: dict, b: dict) -> list[str]:
     """Numeric result fields present in both, in the order of the result table."""
     head = ["completed", "failed", "duration", "total_input_tokens", "total_output_tokens",
             "request_throughput", "request_goodput", "slo_attainment", "output_throughput",
-            "total_token_throughput"]
+            "total_token_throughput", *COST_FIELDS]
     metric = [k for name in METRICS for k in a
               if re.fullmatch(rf"(mean|median|std|p[\d.]+)_{name}_ms", k)]
     return [k for k in head + metric
@@ -103,14 +120,17 @@ def format_compare(a: dict, b: dict, name_a: str = "A", name_b: str = "B") -> st
     def describe(name: str, r: dict) -> str:
         env = (r.get("environment") or {}).get("model") or {}
         ds = r.get("dataset") or {}
+        fleet = (f", {r['num_replicas']} replica(s) at {money(r['cost_per_replica_hour'])}/h"
+                 if "fleet_cost" in r else "")
         return (f"{name}: model {r.get('model_id')} (revision {env.get('revision') or 'n/a'}), "
                 f"dataset {ds.get('name')} x{r.get('num_requests')}, rate {r.get('request_rate')}, "
-                f"max concurrency {r.get('max_concurrency') or 'none'}")
+                f"max concurrency {r.get('max_concurrency') or 'none'}{fleet}")
 
     rows = []
     for key in comparable_fields(a, b):
         va, vb = a[key], b[key]
-        rows.append([key, va, vb, (vb / va) if va else None])
+        shown = (money(va), money(vb)) if key in COST_FIELDS else (va, vb)
+        rows.append([key, *shown, (vb / va) if va else None])
     out = [describe(name_a, a), describe(name_b, b)]
     for key in ("dataset", "request_rate", "max_concurrency", "endpoint"):
         if a.get(key) != b.get(key):
@@ -144,21 +164,27 @@ def load_json(path: str) -> dict:
 
 def format_sweep_point(kind: str, point: dict) -> str:
     r = point["result"]
+    cost = (f", {money(r['cost_per_goodput_request'])} per goodput request"
+            if "cost_per_goodput_request" in r else "")
     return (f"{kind} {point['load']:g}: {r['completed']}/{r['num_requests']} completed, "
             f"goodput {r['request_goodput']:.2f} req/s, SLO attainment "
-            f"{100 * r['slo_attainment']:.1f}% -> {'pass' if point['passed'] else 'FAIL'}")
+            f"{100 * r['slo_attainment']:.1f}%{cost} -> {'pass' if point['passed'] else 'FAIL'}")
 
 
 def format_sweep(sweep: dict) -> str:
+    # Without --cost-per-replica-hour a cost column would be n/a on every row.
+    priced = any("cost_per_goodput_request" in p["result"] for p in sweep["points"])
     rows = []
     for p in sweep["points"]:
         r = p["result"]
+        cost = [money(r.get("cost_per_goodput_request"))] if priced else []
         rows.append([f"{p['load']:g}", r["request_throughput"], r["request_goodput"],
                      100 * r["slo_attainment"], r.get("p50_ttft_ms"), r.get("p95_ttft_ms"),
                      r.get("p99_ttft_ms"), r.get("p95_tpot_ms"), r.get("p95_itl_ms"),
-                     r.get("p95_e2el_ms"), r["failed"], "yes" if p["passed"] else "NO"])
+                     r.get("p95_e2el_ms"), r["failed"], *cost, "yes" if p["passed"] else "NO"])
     headers = [sweep["load_label"], "req/s", "goodput", "attain %", "TTFT p50", "TTFT p95",
-               "TTFT p99", "TPOT p95", "ITL p95", "E2EL p95", "failed", "SLO ok"]
+               "TTFT p99", "TPOT p95", "ITL p95", "E2EL p95", "failed",
+               *(["cost/good req"] if priced else []), "SLO ok"]
     slos = ", ".join(f"{k}<={v:g}ms" for k, v in sweep["goodput_slos_ms"].items())
     best = sweep["max_load_meeting_slo"]
     verdict = (f"highest {sweep['load_label']} meeting the SLO: {best:g}" if best is not None

@@ -178,7 +178,7 @@ class Benchmark:
         progress.close()
 
         metrics = compute_metrics(records, duration, cfg.percentile_metrics, cfg.percentiles,
-                                  cfg.goodput)
+                                  cfg.goodput, cfg.cost_per_replica_hour, cfg.num_replicas)
         return {
             "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
             "label": label,

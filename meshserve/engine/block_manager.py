@@ -60,7 +60,7 @@ class LeaseLimitError(ValueError):
 class Lease:
     """Blocks promised to one request (or one attempt of it) until it ends or the lease expires."""
     __slots__ = ("lease_id", "request_id", "attempt_id", "blocks", "expires_at", "pinned", "taken", "bound_to",
-                 "seqs", "owner", "cache_salt")
+                 "seqs", "owner", "cache_salt", "importing")
 
     def __init__(self, lease_id: str, request_id: str, attempt_id: str, blocks: int, expires_at: float,
                  pinned: list[Block], owner: str = "", cache_salt: str = "") -> None:
@@ -75,6 +75,7 @@ class Lease:
         self.taken = 0  # blocks its request took out of the free queue so far
         self.bound_to: str | None = None  # the engine request drawing on it
         self.seqs: list[Sequence] = []  # its request's sequences, once bound
+        self.importing: list[Block] = []  # destinations of a KV hand-off not committed yet (kv_transfer)
 
     @property
     def remaining(self) -> int:
@@ -132,10 +133,18 @@ class BlockManager:
         """Longest run of cached full blocks at the start of `seq`, leaving at least one token to
         compute (its logits are needed to sample)."""
         num_full = (seq.num_tokens - 1) // self.block_size
-        if not self.enable_prefix_caching:
-            return []
-        return self._cached_run(seq.token_ids, self._block_hashes(seq, num_full)[:num_full],
-                                self.roots(seq.cache_salt)[1])
+        hits = self._cached_run(seq.token_ids, self._block_hashes(seq, num_full)[:num_full],
+                                self.roots(seq.cache_salt)[1]) if self.enable_prefix_caching else []
+        lease = seq.lease  # its pins hold K/V handed over for this prompt even where nothing is cached
+        if lease is not None and len(lease.pinned) > len(hits) and self._pins_fit(lease, seq.token_ids, seq.cache_salt):
+            return list(lease.pinned)
+        return hits
+
+    def _pins_fit(self, lease: Lease, tokens: Tokens[int], cache_salt: str) -> bool:
+        """The lease's pinned blocks are the first blocks of `tokens` (leaving one token to compute)."""
+        bs = self.block_size
+        return lease.cache_salt == cache_salt and len(lease.pinned) * bs < len(tokens) \
+            and all(b.token_ids == tuple(tokens[i * bs:(i + 1) * bs]) for i, b in enumerate(lease.pinned))
 
     def _cached_run(self, token_ids: Tokens[int], hashes: list[int], root_parent: int) -> list[Block]:
         hits: list[Block] = []
@@ -273,7 +282,7 @@ class BlockManager:
         """Distinct blocks promised to live leases: those their requests hold now and the prefix
         blocks they pin (each counted once, however many sequences share it), plus those held back
         for them. Never more than num_blocks: only free blocks are held back."""
-        held = {b.block_id for lease in self.leases.values() for b in lease.pinned}
+        held = {b.block_id for lease in self.leases.values() for b in lease.pinned + lease.importing}
         held.update(i for lease in self.leases.values() for s in lease.seqs for i in s.block_table)
         return len(held) + self.held_back
 
@@ -286,10 +295,10 @@ class BlockManager:
             raise ReservationError(f"reservation {lease_id!r} does not exist (it ended or expired)")
         if lease.bound_to is not None:
             raise ReservationError(f"reservation {lease_id!r} is already used by another request")
+        self.cancel_import(lease_id)  # a hand-off not committed by now never will be: recompute instead
         tokens = seqs[0].token_ids
         bs = self.block_size
-        pinned_match = lease.cache_salt == seqs[0].cache_salt and len(lease.pinned) * bs < len(tokens) \
-            and all(b.token_ids == tuple(tokens[i * bs:(i + 1) * bs]) for i, b in enumerate(lease.pinned))
+        pinned_match = self._pins_fit(lease, tokens, seqs[0].cache_salt)
         need = len(seqs) * (-(-(len(tokens) + max_new_tokens) // bs) - (len(lease.pinned) if pinned_match else 0))
         if need > lease.blocks:
             raise ReservationError(f"reservation {lease_id!r} holds {lease.blocks} blocks; this request needs {need}")
@@ -306,13 +315,68 @@ class BlockManager:
             return None
         self.held_back -= lease.remaining
         lease.taken = lease.blocks
-        for b in lease.pinned:
-            b.ref_count -= 1
-            if b.ref_count == 0:
-                self.free_queue[b.block_id] = b
-        lease.pinned = []
+        self.unhold([b.block_id for b in lease.pinned + lease.importing])
+        lease.pinned, lease.importing = [], []
         lease.seqs = []
         return lease
+
+    # ---- the destination blocks of a KV hand-off (kv_transfer) -------------------------------
+    def take_for_import(self, lease_id: str, owner: str, num_blocks: int) -> list[Block] | None:
+        """`num_blocks` blocks out of what an unbound lease promises, to receive a prompt's K/V after
+        its pinned prefix; None when the lease is not the owner's, is in use or promises fewer."""
+        lease = self.leases.get(lease_id)
+        if lease is None or lease.owner != owner or lease.bound_to is not None or lease.importing \
+                or lease.remaining < num_blocks:
+            return None
+        lease.blocks -= num_blocks
+        self.held_back -= num_blocks
+        lease.importing = [self._take_free_block() for _ in range(num_blocks)]
+        return lease.importing
+
+    def commit_import(self, lease: Lease, token_ids: Tokens[int]) -> None:
+        """The hand-off's K/V are written: its blocks join the lease's pinned prefix (the request that
+        draws on the lease starts after them) and the prefix cache."""
+        bs = self.block_size
+        first = len(lease.pinned)
+        num_full = first + len(lease.importing)
+        root, root_parent = self.roots(lease.cache_salt)
+        hashes = extend_chain([], token_ids, bs, root, num_full)
+        for i, block in enumerate(lease.importing, start=first):
+            parent = lease.pinned[-1].cache_id if lease.pinned else root_parent
+            block.token_ids, block.parent_cache_id = tuple(token_ids[i * bs:(i + 1) * bs]), parent
+            if self.enable_prefix_caching and hashes[i] not in self.cached:
+                block.block_hash, block.cache_id = hashes[i], next(self._cache_ids)
+                self.cached[hashes[i]] = block
+            else:  # another entry holds this content: this copy stays private to the lease
+                block.cache_id = next(self._cache_ids)
+            lease.pinned.append(block)
+        lease.importing = []
+
+    def cancel_import(self, lease_id: str) -> None:
+        """The hand-off failed: its blocks go back to the pool, promised to the lease again."""
+        lease = self.leases.get(lease_id)
+        if lease is None or not lease.importing:
+            return
+        n = len(lease.importing)
+        self.unhold([b.block_id for b in lease.importing])
+        lease.importing = []
+        lease.blocks += n
+        self.held_back += n
+
+    def hold(self, block_ids: list[int]) -> None:
+        """Keep blocks out of the pool beyond their sequence's end (a hand-off still reading them)."""
+        for i in block_ids:
+            block = self.blocks[i]
+            if block.ref_count == 0:
+                del self.free_queue[i]
+            block.ref_count += 1
+
+    def unhold(self, block_ids: list[int]) -> None:
+        for i in block_ids:
+            block = self.blocks[i]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_queue[i] = block
 
     def expired_leases(self, now: float) -> list[Lease]:
         return [lease for lease in self.leases.values() if lease.expires_at <= now]

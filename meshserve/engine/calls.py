@@ -8,10 +8,10 @@ shows and ends only that owner's leases.
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from meshserve.engine.errors import EngineCallError, EngineDeadError
-from meshserve.engine.messages import CallMethod, LeaseInfo, LeaseLedger, LeaseRef, ReserveRequest
+from meshserve.engine.messages import CallMethod, KVPrepare, LeaseInfo, LeaseLedger, LeaseRef, ReserveRequest
 
 if TYPE_CHECKING:
     from meshserve.engine.client import EngineClient
@@ -49,6 +49,25 @@ class EngineCalls:
     async def release(self, lease_id: str, owner: str) -> bool:
         rank, own_id = lease_engine(lease_id, self.client.supervisor.size)
         return bool(await self.client.call(rank, CallMethod.RELEASE, LeaseRef(own_id, owner)))
+
+    async def kv_prepare(self, req: KVPrepare) -> dict[str, Any] | None:
+        """The hand-off descriptor of the engine that granted `req.lease_id` (None: no room now)."""
+        rank, own_id = lease_engine(req.lease_id, self.client.supervisor.size)
+        req.lease_id = own_id
+        desc: dict[str, Any] | None = await self.client.call(rank, CallMethod.KV_PREPARE, req)
+        if desc is not None and desc.get("lease_id"):
+            desc["lease_id"] = f"{rank}.{desc['lease_id']}"
+        return desc
+
+    async def kv_abort(self, transfer_id: str) -> bool:
+        """Abort a hand-off on whichever engine here has it (transfer ids are unique)."""
+        found = False
+        for rank in self.client.supervisor.alive_ranks():
+            try:
+                found = bool(await self.client.call(rank, CallMethod.KV_ABORT, transfer_id)) or found
+            except EngineDeadError:
+                continue
+        return found
 
     async def ledgers(self, owner: str) -> list[tuple[int, LeaseLedger]]:
         """Each live engine's ledger of `owner`'s leases, the lease ids named as reserve() names them."""

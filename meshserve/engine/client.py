@@ -177,7 +177,8 @@ class EngineClient:
         if reply.error is not None:
             future.set_exception(EngineCallError(reply.error.message,
                                                  unsupported=reply.error.kind is CallErrorKind.UNSUPPORTED,
-                                                 limit=reply.error.kind is CallErrorKind.LIMIT))
+                                                 limit=reply.error.kind is CallErrorKind.LIMIT,
+                                                 not_found=reply.error.kind is CallErrorKind.NOT_FOUND))
         else:
             future.set_result(reply.result)
 
@@ -265,10 +266,12 @@ class EngineClient:
 
     async def generate(self, requests: Sequence[tuple[str, list[int], SamplingParams]],
                        arrival_time: float | None = None, lease_id: str | None = None, owner: str = "",
-                       cache_salt: str = "") -> AsyncGenerator[RequestDelta, None]:
+                       cache_salt: str = "", kv_transfer: dict[str, Any] | None = None,
+                       ) -> AsyncGenerator[RequestDelta, None]:
         """Submit engine requests together and yield their deltas as they come, interleaved.
         `lease_id`: a reservation from reserve() by `owner`; it covers one engine request.
-        `cache_salt`: their prefix-cache scope. A request whose output piles up unread beyond
+        `cache_salt`: their prefix-cache scope; `kv_transfer`: a prefill request's hand-off
+        descriptor. A request whose output piles up unread beyond
         `max_stream_backlog` steps is aborted (EngineRequestFailed, STREAM_BACKLOG).
 
         Leaving early (client gone, consumer cancelled or closed) aborts what has not finished."""
@@ -287,7 +290,7 @@ class EngineClient:
                 self.num_queued_seqs += params.n
                 pending.add(request_id)
                 self.supervisor.send(rank, AddRequest(request_id, prompt_ids, params, arrival, engine_lease, owner,
-                                                      cache_salt))
+                                                      cache_salt, kv_transfer))
             while pending:
                 item = await sink.get()
                 if isinstance(item, Exception):
@@ -343,4 +346,6 @@ class EngineClient:
         if live:
             total.kv_cache_usage = sum(s.kv_cache_usage for s in live) / len(live)
             total.block_size = live[0].block_size
+            for key in {k for s in live for k in s.kv_transfer}:
+                total.kv_transfer[key] = sum(s.kv_transfer.get(key, 0) for s in live)
         return FleetStats(total, len(self.supervisor.alive_ranks()), self.supervisor.restarts)

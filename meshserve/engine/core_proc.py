@@ -62,6 +62,7 @@ class EngineLoop:
         self._calls: dict[CallMethod, Callable[[Any], object]] = {
             CallMethod.RESERVE: engine.reserve, CallMethod.RELEASE: engine.release_lease,
             CallMethod.LEASES: lambda owner: engine.leases(owner or ""),
+            CallMethod.KV_PREPARE: engine.kv_prepare, CallMethod.KV_ABORT: engine.kv_abort,
             # Answered here, between steps: an answer proves the loop itself is alive.
             CallMethod.PING: lambda _: True}
 
@@ -94,6 +95,8 @@ class EngineLoop:
             if self.inbox in ready:
                 return self._handle(self.inbox.recv())
             self.engine.check_health()
+            if self.engine.has_unfinished_requests():  # a KV hand-off moved (its bell rang)
+                return True
 
     def _handle(self, ops: list[EngineOp]) -> bool:
         """Apply a batch of ops from the front end; False means stop."""
@@ -115,7 +118,8 @@ class EngineLoop:
     def _add(self, req: AddRequest) -> None:
         try:
             self.engine.add_request(req.request_id, req.prompt_token_ids, req.params, arrival_time=req.arrival_time,
-                                    lease_id=req.lease_id, lease_owner=req.lease_owner, cache_salt=req.cache_salt)
+                                    lease_id=req.lease_id, lease_owner=req.lease_owner, cache_salt=req.cache_salt,
+                                    kv_transfer=req.kv_transfer)
         except ReservationError as exc:
             self.outbox.send(RequestRejected(req.request_id, str(exc), RejectKind.RESERVATION))
         except ValueError as exc:
@@ -128,6 +132,8 @@ class EngineLoop:
             error = CallError(CallErrorKind.UNSUPPORTED, f"this engine does not support {call.method.value!r}")
         except LeaseLimitError as exc:
             error = CallError(CallErrorKind.LIMIT, str(exc))
+        except ReservationError as exc:
+            error = CallError(CallErrorKind.NOT_FOUND, str(exc))
         except ValueError as exc:
             error = CallError(CallErrorKind.INVALID, str(exc))
         return CallReply(call.reply_id, error=error)

@@ -26,9 +26,10 @@ STREAM_BACKLOG = "stream_backlog"  # EngineRequestFailed.code: the client stoppe
 class EngineCallError(ValueError):
     """The engine refused a call (its message says why: an unknown lease, a lease that cannot
     cover the request). `unsupported`: the engine has no reservations at all; `limit`: the caller
-    holds as many leases as it may."""
+    holds as many leases as it may; `not_found`: the lease it names does not exist."""
 
-    def __init__(self, message: str, unsupported: bool = False, limit: bool = False) -> None:
+    def __init__(self, message: str, unsupported: bool = False, limit: bool = False, not_found: bool = False) -> None:
         super().__init__(message)
         self.unsupported = unsupported
         self.limit = limit
+        self.not_found = not_found

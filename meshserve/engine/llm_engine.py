@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from meshserve.config import EngineConfig
 from meshserve.engine.block_manager import BlockManager
+from meshserve.engine.handoff import HandoffCalls
 from meshserve.engine.messages import (
     EngineStats,
     ErrorCode,
@@ -27,14 +28,15 @@ from meshserve.engine.output import EngineRequest
 from meshserve.engine.reservations import LeaseDesk
 from meshserve.engine.scheduler import Scheduler, SchedulerOutput
 from meshserve.engine.sequence import Sequence, SequenceStatus
+from meshserve.engine.step_input import build_step_input
 from meshserve.engine.step_timeline import StepTimeline
+from meshserve.kv_transfer.connector import KVConnector, make_connector
 from meshserve.models.loader import resolve_model
 from meshserve.sampling_params import SamplingParams
 from meshserve.structured.matchers import StructuredOutputs
 from meshserve.tokenizer import Tokenizer
 from meshserve.worker.executor import WorkerFailure
 from meshserve.worker.factory import make_executor
-from meshserve.worker.step import SeqStep, StepInput
 
 if TYPE_CHECKING:
     from meshserve.layers.sampler import SamplerOutput
@@ -42,7 +44,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger("meshserve")
 
 
-class LLMEngine:
+class LLMEngine(HandoffCalls):
     def __init__(self, config: EngineConfig):
         self.source = resolve_model(config.model, config.load_format)
         config = replace(config, quantization=self.source.quantization_for(config.quantization,
@@ -88,11 +90,11 @@ class LLMEngine:
         self.structured = StructuredOutputs(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self.seq_to_request: dict[int, EngineRequest] = {}
         self._finished_seq_ids: list[int] = []
-        self.num_prompt_tokens = 0
-        self.num_generation_tokens = 0
-        self.last_step_compute_s = 0.0
-        self.last_step_comm_s = 0.0
+        self.num_prompt_tokens = self.num_generation_tokens = 0
+        self.last_step_compute_s = self.last_step_comm_s = 0.0
         self.timeline = StepTimeline(config.step_trace)
+        self.kv: KVConnector | None = make_connector(config, self.executor, self.block_manager, self.source,
+                                                     self.tokenizer)
         kv_tokens = num_blocks * config.block_size
         logger.info("model %s (revision %s): %d blocks x %d tokens = %d KV tokens (%.2f GiB per rank); "
                     "max_model_len %d, so at most %.2fx concurrency at full length",
@@ -111,11 +113,12 @@ class LLMEngine:
     # ---- requests ----------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                     arrival_time: float | None = None, lease_id: str | None = None, lease_owner: str = "",
-                    cache_salt: str = "") -> list[int]:
+                    cache_salt: str = "", kv_transfer: dict[str, Any] | None = None) -> list[int]:
         """Queue a request; returns its prompt token ids. ValueError (naming the problem) for a
         request the engine cannot serve: nothing is queued then. With `lease_id` the request draws
         on that reservation of `lease_owner`'s (and is never preempted); the lease ends when the
-        request does. `cache_salt`: its prefix-cache scope (hits only on blocks of the same salt)."""
+        request does. `cache_salt`: its prefix-cache scope (hits only on blocks of the same salt).
+        `kv_transfer`: the descriptor of a hand-off to a decode engine (kv_transfer/connector.py)."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
@@ -132,6 +135,10 @@ class LLMEngine:
         # The ranks sample constrained rows by the mask each step carries: they need no constraint.
         seq_params = replace(params, structured_outputs=None) if constraint is not None else params
         seqs = [Sequence(request_id, i, ids, seq_params, arrival, cache_salt) for i in range(params.n)]
+        if kv_transfer is not None:
+            if self.kv is None or params.n != 1:
+                raise ValueError("kv_transfer_params needs an engine started with --kv-role prefill, and n = 1")
+            self.kv.start_send(request_id, seqs[0], kv_transfer)
         if lease_id is not None:
             self.desk.reconcile()
             max_new = min(params.max_tokens, self.max_model_len - len(ids)) if params.max_tokens is not None \
@@ -158,7 +165,10 @@ class LLMEngine:
             self._finish_request(state, "abort")
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests or self._ended_between_steps)
+        if self.kv is None:
+            return bool(self.requests or self._ended_between_steps)
+        # Requests waiting only for a hand-off's ack move when the connector has news.
+        return bool(len(self.requests) > self.kv.waiting_requests or self._ended_between_steps or self.kv.has_news())
 
     def _abort_with_error(self, state: EngineRequest, why: str, code: ErrorCode) -> None:
         """End a request the engine stops itself; its last delta (with why) goes out with the next step."""
@@ -176,6 +186,8 @@ class LLMEngine:
 
     def _retire(self, state: EngineRequest, now: float) -> None:
         state.metrics.finished_time = now
+        if self.kv is not None:
+            self.kv.request_ended(state.request_id)
         del self.requests[state.request_id]
         if state.params.structured_outputs is not None:
             self.structured.release(state)
@@ -193,6 +205,8 @@ class LLMEngine:
         A step that raises (a bug, a kernel error, out of memory) fails only the requests in it, with
         finish_reason "error"; its blocks are freed and none of them stays in the prefix cache. A dead
         rank (WorkerFailure) is not contained: the executor is gone, so the engine is too."""
+        if self.kv is not None:
+            self._poll_handoffs()
         ended, self._ended_between_steps = self._ended_between_steps, []
         return ended + self._admit_constrained() + self._step()
 
@@ -226,7 +240,8 @@ class LLMEngine:
                 m.first_scheduled_time = now
         t1 = time.perf_counter()
         try:
-            step_input = self._step_input(sched)
+            finished, self._finished_seq_ids = self._finished_seq_ids, []
+            step_input = build_step_input(sched, self.structured, finished)
             t2 = time.perf_counter()
             result = self.executor.execute(step_input)
         except WorkerFailure:
@@ -238,6 +253,8 @@ class LLMEngine:
             raise
         t3 = time.perf_counter()
         self.block_manager.commit_step()
+        if self.kv is not None:
+            self.kv.after_step(sched.scheduled)
         self.last_step_compute_s = result.compute_s
         self.last_step_comm_s = sum(result.comm_s.values())
         deltas = self._update(sched, result.sampled)
@@ -263,28 +280,6 @@ class LLMEngine:
                 deltas.append(delta)
         return deltas
 
-    def _step_input(self, sched: SchedulerOutput) -> StepInput:
-        seqs = []
-        constrained = [i.seq for i in sched.scheduled if i.completes and self.structured.constrained(i.seq)]
-        masks = dict(zip((s.seq_id for s in constrained), self.structured.fill_masks(constrained))) \
-            if constrained else {}
-        for item in sched.scheduled:
-            seq = item.seq
-            sample = item.completes
-            p = seq.params
-            # The sampling rank keeps each penalized sequence's token counts and adds the tokens it
-            # samples; it needs the history only once (and again after its state was dropped).
-            history = None
-            if sample and p.has_penalties and not seq.sampler_has_history:
-                history = (seq.token_ids[:seq.num_prompt_tokens], seq.output_token_ids)
-            seqs.append(SeqStep(
-                seq.seq_id, seq.token_ids[item.start:item.start + item.num_tokens], item.start,
-                list(seq.block_table), sample, p if sample else None,
-                seed_key=(hash((p.seed, seq.index)) & 0x7FFFFFFF) if p.seed is not None else 0,
-                history=history, allowed=masks.get(seq.seq_id)))
-        finished, self._finished_seq_ids = self._finished_seq_ids, []
-        return StepInput(seqs, finished)
-
     def _update(self, sched: SchedulerOutput, sampled: SamplerOutput | None) -> list[RequestDelta]:
         now = time.monotonic()
         touched: dict[str, EngineRequest] = {}
@@ -304,6 +299,9 @@ class LLMEngine:
         deltas = []
         for state in touched.values():
             delta = state.take_delta()
+            if state.finished and delta is not None and self.kv is not None \
+                    and self.kv.hold_finished(state.request_id, state, delta):
+                continue  # its last output goes out when decode has the K/V (_handed_off)
             if delta is not None:
                 deltas.append(delta)
             if state.finished:
@@ -368,7 +366,8 @@ class LLMEngine:
             reserved_blocks=bm.reserved_blocks, held_back_blocks=bm.held_back, num_leases=len(bm.leases),
             pending_prefill_tokens=pending, block_size=bm.block_size, last_step_compute_s=self.last_step_compute_s,
             last_step_comm_s=self.last_step_comm_s, parallel_timing=self.executor.timing_snapshot(),
-            expert_load=self.executor.expert_load_snapshot(), step_phases=dict(self.timeline.last))
+            expert_load=self.executor.expert_load_snapshot(), step_phases=dict(self.timeline.last),
+            kv_transfer=self.kv.stats() if self.kv is not None else {})
 
     def check_health(self) -> None:
         """Raise (WorkerFailure) if a rank is gone, even while no request is running."""
@@ -377,7 +376,8 @@ class LLMEngine:
     def health_watch(self) -> tuple[list[int], float | None]:
         """What an idle engine process waits on besides its inbox: rank sentinels, and how often to
         call check_health when there are none to wait on."""
-        return self.executor.sentinels(), self.executor.health_check_interval
+        watch = self.executor.sentinels(), self.executor.health_check_interval
+        return watch if self.kv is None else self.kv.watch(*watch)
 
     def record_ipc(self, seconds: float) -> None:
         self.timeline.add("ipc", seconds)
@@ -387,6 +387,8 @@ class LLMEngine:
             print(self.timeline.table(), file=sys.stderr)
         self.timeline.close()
         self.structured.close()
+        if self.kv is not None:
+            self.kv.close()
         self.executor.shutdown()
 
 

@@ -44,6 +44,16 @@ class ReserveRequest:
 
 
 @dataclass(slots=True)
+class KVPrepare:
+    """A decode engine's destination blocks for a prompt's K/V, under the owner's lease (KV_PREPARE)."""
+    lease_id: str
+    prompt_token_ids: list[int]
+    owner: str = ""
+    request_id: str = ""
+    attempt_id: str = ""
+
+
+@dataclass(slots=True)
 class LeaseRef:
     """A lease named by its owner (RELEASE): another owner's lease is as good as unknown."""
     lease_id: str
@@ -54,6 +64,7 @@ class ErrorCode(enum.Enum):
     """Why the engine ended a request early (RequestDelta.error_code)."""
     STEP_FAILED = "engine_step_failed"                # a step it was in raised
     RESERVATION_RELEASED = "reservation_released"   # the lease it drew on was released under it
+    KV_TRANSFER_FAILED = "kv_transfer_failed"       # its KV hand-off to the decode engine failed
 
 
 @dataclass(slots=True)
@@ -105,6 +116,7 @@ class RequestDelta:
     error: str | None = None
     error_code: ErrorCode | None = None
     metrics: RequestMetrics | None = None
+    kv_transfer: dict[str, Any] | None = None  # a prefill request's hand-off: bytes, seconds, error
 
 
 @dataclass(kw_only=True)
@@ -133,6 +145,8 @@ class EngineStats:
     expert_load: dict[str, Any] = field(default_factory=dict)
     # Seconds of the last step in each phase (engine/step_timeline.py); "ipc" is added by the engine process.
     step_phases: dict[str, float] = field(default_factory=dict)
+    # KV hand-offs, cumulative (kv_transfer/connector.py stats()); {} on a colocated engine.
+    kv_transfer: dict[str, float] = field(default_factory=dict)
 
     @property
     def unpromised_free_blocks(self) -> int:
@@ -167,6 +181,7 @@ class AddRequest:
     lease_owner: str = ""  # who sends it: the lease must be theirs
     # Prefix-cache scope: blocks cached under one salt are never a hit for another (per tenant).
     cache_salt: str = ""
+    kv_transfer: dict[str, Any] | None = None  # a prefill engine's hand-off descriptor
 
 
 @dataclass(slots=True)
@@ -179,6 +194,8 @@ class CallMethod(enum.Enum):
     RELEASE = "release"   # argument: LeaseRef; result: whether it existed (and was the owner's)
     LEASES = "leases"     # argument: the owner; result: LeaseLedger of that owner's leases
     PING = "ping"         # no argument; result: True, answered by the engine loop between steps
+    KV_PREPARE = "kv_prepare"  # argument: KVPrepare; result: the descriptor (dict), or None: no room now
+    KV_ABORT = "kv_abort"      # argument: a transfer id; result: whether this engine had it
 
 
 @dataclass(slots=True)
@@ -220,6 +237,7 @@ class CallErrorKind(enum.Enum):
     UNSUPPORTED = "unsupported"  # this engine does not answer the method (no reservations)
     INVALID = "invalid"          # the argument is wrong (its message names it)
     LIMIT = "limit"              # the caller holds as much as it may (leases per owner)
+    NOT_FOUND = "not_found"      # the lease it names does not exist (ended, expired, another owner's)
 
 
 @dataclass(slots=True)

@@ -11,6 +11,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from meshserve.engine.messages import (
     EngineStats,
+    KVPrepare,
     LeaseInfo,
     LeaseLedger,
     LeaseRef,
@@ -52,10 +53,11 @@ class EngineProtocol(Protocol):
     # ---- requests ---------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                     arrival_time: float | None = None, lease_id: str | None = None, lease_owner: str = "",
-                    cache_salt: str = "") -> list[int]:
+                    cache_salt: str = "", kv_transfer: dict[str, Any] | None = None) -> list[int]:
         """Queue a request; its prompt token ids. ValueError (naming the problem) when it cannot be
         served (block_manager.ReservationError when the lease it names cannot cover it or is not
-        `lease_owner`'s). `cache_salt` scopes its prefix-cache hits."""
+        `lease_owner`'s). `cache_salt` scopes its prefix-cache hits; `kv_transfer` is a hand-off
+        descriptor (a prefill engine sends the prompt's K/V where it says)."""
         ...
 
     def abort_request(self, request_id: str) -> None: ...
@@ -76,6 +78,13 @@ class EngineProtocol(Protocol):
     def leases(self, owner: str = "") -> LeaseLedger:
         """The block totals and the leases of `owner`."""
         ...
+
+    # ---- KV hand-offs (UnsupportedCall / False on an engine without a --kv-role) ----------------
+    def kv_prepare(self, req: KVPrepare) -> dict[str, Any] | None:
+        """A decode engine's hand-off descriptor under the owner's lease; None: no room now."""
+        ...
+
+    def kv_abort(self, transfer_id: str) -> bool: ...
 
     # ---- the process around it ----------------------------------------------------------------
     def check_health(self) -> None:

@@ -1,4 +1,5 @@
-"""`meshserve gateway --backend URL [--backend URL ...]`: one address in front of many replicas."""
+"""`meshserve gateway --backend URL [--backend URL ...]`: one address in front of many replicas
+(`--prefill URL ... --decode URL ...`: pools of a disaggregated fleet, beside or instead of them)."""
 from __future__ import annotations
 
 import argparse
@@ -16,6 +17,8 @@ examples:
   meshserve gateway --backend http://10.0.0.5:8000 --policy least_load --tenants tenants.toml \\
                     --trace-file traces.jsonl --resume-streams
   meshserve serve --data-parallel-size 2 --gateway   # the one-command local form
+  meshserve serve --kv-role prefill --port 8001 & meshserve serve --kv-role decode --port 8002 &
+  meshserve gateway --prefill http://127.0.0.1:8001 --decode http://127.0.0.1:8002 --disagg-min-tokens 256
 """
 
 
@@ -31,13 +34,23 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "quotas and deadlines; retries before the first token and reports (or, with --resume-streams, "
         "resumes) streams whose replica fails; exports Prometheus metrics and OpenTelemetry traces.",
         epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--backend", action="append", required=True, metavar="URL",
-                   help="a replica's base URL (repeat for each replica)")
+    p.add_argument("--backend", action="append", default=[], metavar="URL",
+                   help="a replica's base URL (repeat for each replica); it computes its own prompts")
     p.add_argument("--policy", default="cache_aware", choices=list(POLICIES),
                    help="how a replica is chosen (default: %(default)s)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
     p.add_argument("--port", type=int, default=8000, help="port to bind (default: %(default)s)")
     add_gateway_options(p, d)
+    s = p.add_argument_group("disaggregated prefill/decode (pools beside or instead of --backend)")
+    s.add_argument("--prefill", action="append", default=[], metavar="URL",
+                   help="a prefill replica (`serve --kv-role prefill`): computes prompts whose KV it hands to a "
+                        "decode replica; never gets a client request (repeat for each)")
+    s.add_argument("--decode", action="append", default=[], metavar="URL",
+                   help="a decode replica (`serve --kv-role decode`): takes client requests, their prompt's KV "
+                        "from a prefill replica when it pays (repeat for each)")
+    s.add_argument("--disagg-min-tokens", type=int, default=256, metavar="N",
+                   help="split only when the decode replica lacks more than N of the prompt's tokens (its "
+                        "cached prefix as the router expects it); 0: always (default: %(default)s)")
     p.set_defaults(func=run)
 
 
@@ -130,6 +143,9 @@ def config_from_args(args: argparse.Namespace, backends: list[str], host: str, p
         max_prompts_per_request=args.max_prompts_per_request, tokenize_concurrency=args.tokenize_concurrency,
         max_upstream_connections=args.max_upstream_connections, reservation_timeout_s=args.reservation_timeout,
         skip_ahead_age_s=args.skip_ahead_age,
+        # `serve --gateway` starts colocated replicas only: it has no pools.
+        prefill=getattr(args, "prefill", None) or [], decode=getattr(args, "decode", None) or [],
+        disagg_min_tokens=getattr(args, "disagg_min_tokens", 256),
         trace_file=args.trace_file, otlp_endpoint=args.otlp_endpoint, log_level=args.log_level)
 
 

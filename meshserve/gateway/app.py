@@ -94,6 +94,7 @@ class Gateway:
     async def stop(self) -> None:
         await self.admission.stop()
         await self.replicas.stop()
+        await self.protocol.disagg.stop()
         await self.session.close()
         self.tracing.shutdown()
 
@@ -230,7 +231,7 @@ class Gateway:
         out = []
         for r in self.replicas.replicas:
             load, saturated = r.routing_load(now, self.config.stale_after_s, self.config.cache_aware.slack_requests)
-            out.append({"url": r.url, "healthy": r.healthy, "breaker": r.breaker.state.name.lower(),
+            out.append({"url": r.url, "pool": r.pool, "healthy": r.healthy, "breaker": r.breaker.state.name.lower(),
                         "breaker_opened": r.breaker.times_opened, "last_error": r.last_error,
                         "ledger": vars(r.ledger), "reserved_blocks": r.reserved_blocks, "leases": len(r.leases),
                         "reported": vars(r.reported) if r.reported else None,
@@ -309,10 +310,11 @@ def build_app(gateway: Gateway) -> FastAPI:
         """200 while some replica takes work ("ok", or "degraded" when some do not); 503 when none."""
         replicas = gateway.replicas.replicas
         healthy = sum(r.healthy for r in replicas)
-        state = {"status": "ok" if healthy == len(replicas) else "degraded" if healthy else "unavailable",
+        serving = any(r.healthy and r.takes_clients for r in replicas)  # a prefill replica alone serves nobody
+        state = {"status": "unavailable" if not serving else "ok" if healthy == len(replicas) else "degraded",
                  "replicas": len(replicas), "replicas_healthy": healthy}
-        if not healthy:
-            body = error_body(503, "no replica is healthy", code="no_healthy_replica")
+        if not serving:
+            body = error_body(503, "no replica that takes requests is healthy", code="no_healthy_replica")
             return JSONBytesResponse({**body, **state}, status_code=503, headers={"Retry-After": "2"})
         return JSONBytesResponse(state)
 
@@ -340,7 +342,7 @@ async def serve(config: GatewayConfig) -> int:
                                                log_level=config.log_level, lifespan="off",
                                                timeout_keep_alive=SERVER_KEEP_ALIVE_S, timeout_graceful_shutdown=30))
         logger.info("gateway on http://%s:%d in front of %s (policy %s)", config.host, config.port,
-                    ", ".join(config.backends), config.policy)
+                    ", ".join(f"{url} ({pool})" for url, pool in config.pools), config.policy)
         await server.serve()
     finally:
         await gateway.stop()

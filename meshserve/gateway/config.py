@@ -12,7 +12,7 @@ DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 
 @dataclass
 class GatewayConfig:
-    backends: list[str]
+    backends: list[str]  # colocated replicas: each computes its own requests' prompts
     policy: str = "cache_aware"
     host: str = "127.0.0.1"
     port: int = 8000
@@ -50,17 +50,26 @@ class GatewayConfig:
     otlp_endpoint: str | None = None  # spans over OTLP/HTTP
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     log_level: str = "info"
+    # Disaggregated prefill/decode (disagg.py): client requests go to decode (and colocated) replicas;
+    # prefill replicas only compute prompts whose KV they hand to a decode replica.
+    prefill: list[str] = field(default_factory=list)
+    decode: list[str] = field(default_factory=list)
+    disagg_min_tokens: int = 256  # split only when the decode replica lacks more of the prompt than this
 
     def __post_init__(self) -> None:
-        if not self.backends:
-            raise ValueError("give at least one --backend URL")
-        self.backends = [b.rstrip("/") for b in self.backends]
-        for url in self.backends:
-            parts = urlsplit(url)
-            if parts.scheme not in ("http", "https") or not parts.netloc:
-                raise ValueError(f"--backend must be an http(s) URL such as http://127.0.0.1:8001, got {url!r}")
-        if len(set(self.backends)) != len(self.backends):
-            raise ValueError("--backend lists the same URL twice")
+        if not self.backends and not (self.prefill and self.decode):
+            raise ValueError("give at least one --backend URL, or --prefill with --decode URLs")
+        if bool(self.prefill) != bool(self.decode):  # a half pool could never split a request
+            raise ValueError("--prefill needs at least one --decode URL, and --decode at least one --prefill URL")
+        self.backends = _urls("--backend", self.backends)
+        self.decode = _urls("--decode", self.decode)
+        self.prefill = _urls("--prefill", self.prefill)
+        pools = {"--backend": self.backends, "--decode": self.decode, "--prefill": self.prefill}
+        owner = {url: flag for flag, urls in pools.items() for url in urls}
+        for flag, urls in pools.items():
+            for url in urls:
+                if owner[url] != flag:  # one replica with two jobs would take clients and hand-offs alike
+                    raise ValueError(f"{url} is given to both {flag} and {owner[url]}: a replica is in one pool")
         if self.policy not in POLICIES:
             raise ValueError(f"--policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
         check_range("--port", self.port, 0, 65535)
@@ -83,9 +92,27 @@ class GatewayConfig:
         check_range("--max-prompts-per-request", self.max_prompts_per_request, 1, 4096, integer=True)
         check_range("--tokenize-concurrency", self.tokenize_concurrency, 1, 1024, integer=True)
         check_range("--max-upstream-connections", self.max_upstream_connections, 1, 100_000, integer=True)
+        check_range("--disagg-min-tokens", self.disagg_min_tokens, 0, integer=True)
         if self.api_key is not None and self.tenants_file is not None:
             raise ValueError("give --api-key or --tenants, not both (tenants carry their own keys)")
         for name, key in (("--api-key", self.api_key), ("--backend-api-key", self.backend_api_key),
                           ("--metrics-api-key", self.metrics_api_key)):
             if key is not None and not key.strip():
                 raise ValueError(f"{name} must not be empty")
+
+    @property
+    def pools(self) -> list[tuple[str, str]]:
+        """(url, pool) of every replica, in the order their indexes follow."""
+        return ([(u, "backend") for u in self.backends] + [(u, "decode") for u in self.decode]
+                + [(u, "prefill") for u in self.prefill])
+
+
+def _urls(flag: str, urls: list[str]) -> list[str]:
+    out = [u.rstrip("/") for u in urls]
+    for url in out:
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.netloc:
+            raise ValueError(f"{flag} must be an http(s) URL such as http://127.0.0.1:8001, got {url!r}")
+    if len(set(out)) != len(out):
+        raise ValueError(f"{flag} lists the same URL twice")
+    return out

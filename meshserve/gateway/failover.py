@@ -14,6 +14,8 @@
   answer is token-identical to an undisturbed run; a seeded one is a sample from the same seed
   conditioned on what was sent (not the undisturbed run's tokens: the sampler's noise restarts).
 - A client that disconnects has its upstream request closed, which aborts it on the replica.
+- An attempt placed on a decode-pool replica may first have its prompt computed by a prefill replica
+  (disagg.py); a hand-off that fails leaves the attempt decode-only, never failed.
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ from meshserve.api.limits import MAX_CHAR_TOKENS
 from meshserve.api.sse import DONE, sse_event
 from meshserve.gateway.admission import Admission, AdmissionRequest, Deadline, Placement, RuledOut
 from meshserve.gateway.config import GatewayConfig
+from meshserve.gateway.disagg import Disaggregation
 from meshserve.gateway.metrics import GatewayMetrics
 from meshserve.gateway.replicas import ReplicaSet
 from meshserve.gateway.request import GatewayRequest
@@ -85,6 +88,7 @@ class FailureProtocol:
         self.metrics = metrics
         self.tracing = tracing
         self.budget = RetryBudget(config.retry_budget_ratio, config.retry_budget_min)
+        self.disagg = Disaggregation(config, session, replicas, metrics, tracing)
 
     # ---- placing and sending one attempt -------------------------------------------------
     async def _place(self, greq: GatewayRequest, prompt_ids: list[int], max_tokens: int,
@@ -172,6 +176,7 @@ class FailureProtocol:
                     raise
                 raise self._unavailable(greq, last) from None
             body = self._first_body(greq)
+            await self._handoff(greq, placement)
             try:
                 return await self._attempt(greq, placement, greq.endpoint, body, greq.prompt_tokens)
             except AttemptFailed as failure:
@@ -196,6 +201,16 @@ class FailureProtocol:
                 self.metrics.retries.labels(failure.reason).inc()
                 logger.info("request %s: attempt on %s failed (%s); retrying elsewhere", greq.request_id,
                             placement.replica.label, failure)
+
+    async def _handoff(self, greq: GatewayRequest, placement: Placement) -> None:
+        """The prompt's KV from a prefill replica, where the placement splits (disagg.py)."""
+        try:
+            await self.disagg.handoff(greq, placement)
+        except BaseException:  # the client left mid-hand-off: its lease goes with it
+            if placement.lease is not None:
+                asyncio.get_running_loop().create_task(self.reserver.release(placement.replica, placement.lease))
+            self.admission.capacity_changed()
+            raise
 
     def _unavailable(self, greq: GatewayRequest, failure: AttemptFailed) -> APIError:
         greq.outcome = "failed"

@@ -2,7 +2,8 @@
 
 Per replica (label `replica`, its host:port): requests routed, in flight, reserved KV blocks, health,
 breaker state, lease refusals and prefix-index hits. Fleet-wide: retries by reason, resumed streams,
-partial-stream failures, rejections by reason and tenant, the admission queue. Labels are bounded by
+partial-stream failures, rejections by reason and tenant, the admission queue, prefill -> decode KV
+hand-offs (by outcome; bytes and seconds moved). Labels are bounded by
 the fleet and the tenants file; no label carries a request id or prompt text.
 """
 from __future__ import annotations
@@ -24,6 +25,8 @@ from meshserve.gateway.replicas import Replica
 P = "meshserve:gateway_"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+# A hand-off moves MBs to GBs: from sub-millisecond (a few blocks over NVLink) to seconds (TCP).
+_TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
 class _FleetCollector:
@@ -78,6 +81,13 @@ class GatewayMetrics:
                                     buckets=_WAIT_BUCKETS, registry=r)
         self.ttft = Histogram(P + "time_to_first_token_seconds", "Arrival at the gateway to the first token "
                               "sent to the client.", buckets=_WAIT_BUCKETS, registry=r)
+        self.kv_handoffs = Counter(P + "kv_handoffs", "Prefill -> decode KV hand-offs by outcome: ok, fallback "
+                                   "(failed: the decode replica computed the prompt), skipped (not worth it).",
+                                   ["outcome"], registry=r)
+        self.kv_transfer_bytes = Counter(P + "kv_transfer_bytes", "KV bytes prefill replicas handed to decode "
+                                         "replicas.", registry=r)
+        self.kv_transfer_seconds = Histogram(P + "kv_transfer_seconds", "Time of each completed KV transfer, as "
+                                             "the prefill replica measured it.", buckets=_TRANSFER_BUCKETS, registry=r)
         r.register(_FleetCollector(replicas, waiting))
         self.in_flight_gauge = Gauge(P + "in_flight", "Requests in the gateway (queued or running).", registry=r)
 

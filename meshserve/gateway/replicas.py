@@ -17,6 +17,11 @@ The router uses the larger of the two. A report's weight falls with its age: pas
 `stale_after_s` the replica looks progressively busier, and past `stale_after_s` it counts as
 saturated (chosen only if every replica is), so a replica whose load reads zero only because it has
 gone quiet cannot attract everything.
+
+Each replica is in one pool (GatewayConfig.pools): `backend` (colocated: computes its own prompts),
+`decode` (takes client requests, and may receive a prompt's KV from a prefill replica first) or
+`prefill` (never takes a client request: only hand-offs, disagg.py). A replica's own `kv_role`
+(/server_info) must allow its pool's job; one that does not is probed but given no work of that kind.
 """
 from __future__ import annotations
 
@@ -101,6 +106,7 @@ class ReplicaIdentity:
     chat_template_hash: str | None = None
     reservations: bool = False  # it answers POST /v1/reservations
     vocab_size: int | None = None  # token ids a prompt may hold: [0, vocab_size)
+    kv_role: str = "both"  # "prefill", "decode" or "both" (/server_info; absent: both)
 
     @property
     def compat_key(self) -> tuple:
@@ -144,6 +150,7 @@ class Replica:
     restarts: int | None = None  # the replica's own restart count, to notice a lost cache
     leases: dict[str, LeaseRecord] = field(default_factory=dict)
     last_error: str = ""
+    pool: str = "backend"  # "backend", "decode" or "prefill" (GatewayConfig.pools)
 
     @property
     def label(self) -> str:
@@ -153,6 +160,21 @@ class Replica:
     @property
     def healthy(self) -> bool:
         return self.identity is not None and self.breaker.allows_requests
+
+    @property
+    def takes_clients(self) -> bool:
+        """Client requests may be placed here: a backend or decode replica that is not prefill-only."""
+        return self.pool != "prefill" and (self.identity is None or self.identity.kv_role != "prefill")
+
+    @property
+    def splits(self) -> bool:
+        """A decode-pool replica that takes KV from a prefill replica (POST /v1/kv/transfers)."""
+        return self.pool == "decode" and self.identity is not None and self.identity.kv_role in ("decode", "both")
+
+    @property
+    def prefills(self) -> bool:
+        """A prefill-pool replica that computes prompts for decode replicas."""
+        return self.pool == "prefill" and self.identity is not None and self.identity.kv_role in ("prefill", "both")
 
     @property
     def known_identity(self) -> ReplicaIdentity:
@@ -196,8 +218,8 @@ class ReplicaSet:
         self.config = config
         self.session = session
         self.replicas = [Replica(i, url, CircuitBreaker(config.breaker_failures, config.breaker_cooldown_s,
-                                                        config.breaker_max_cooldown_s))
-                         for i, url in enumerate(config.backends)]
+                                                        config.breaker_max_cooldown_s), pool=pool)
+                         for i, (url, pool) in enumerate(config.pools)]
         self.on_cache_lost: Callable[[Replica], None] = lambda replica: None  # set by the gateway: forget routing state
         self.on_breaker_opened: Callable[[Replica], None] = lambda replica: None
         self._task: asyncio.Task | None = None
@@ -245,7 +267,10 @@ class ReplicaSet:
             restarts = body.get("restarts") if isinstance(body, dict) else None
             if replica.identity is None:
                 replica.identity = await self._identify(replica, timeout)
-                logger.info("replica %s: %s", replica.url, replica.identity)
+                logger.info("replica %s (%s pool): %s", replica.url, replica.pool, replica.identity)
+                if not (replica.takes_clients or replica.prefills):
+                    logger.warning("replica %s is in the %s pool but says kv_role %s: it gets no work",
+                                   replica.url, replica.pool, replica.identity.kv_role)
             elif restarts is not None and replica.restarts is not None and restarts != replica.restarts:
                 logger.warning("replica %s restarted an engine: its cache and leases are gone", replica.url)
                 self._cache_lost(replica)
@@ -279,7 +304,8 @@ class ReplicaSet:
             model=str(card["id"]), max_model_len=int(card.get("max_model_len") or 0),
             revision=card.get("revision"), block_size=card.get("block_size"),
             tokenizer_hash=card.get("tokenizer_hash"), chat_template_hash=card.get("chat_template_hash"),
-            reservations=bool(info.get("reservations")), vocab_size=(info.get("model") or {}).get("vocab_size"))
+            reservations=bool(info.get("reservations")), vocab_size=(info.get("model") or {}).get("vocab_size"),
+            kv_role=str(info.get("kv_role") or "both"))
 
     def _cache_lost(self, replica: Replica) -> None:
         replica.leases.clear()
@@ -306,12 +332,17 @@ class ReplicaSet:
 
     # ---- choosing ----------------------------------------------------------------------
     def compatible(self, model: str | None, like: ReplicaIdentity | None = None) -> list[Replica]:
-        """Healthy replicas serving `model` (any model when None), of the same kind as `like`."""
-        out = [r for r in self.replicas if r.healthy and r.identity is not None
+        """Healthy replicas that take client requests, serving `model` (any model when None), of the
+        same kind as `like`."""
+        out = [r for r in self.replicas if r.healthy and r.identity is not None and r.takes_clients
                and (model is None or r.identity.model == model)]
         if like is not None:
             out = [r for r in out if r.known_identity.compat_key == like.compat_key]
         return out
+
+    def prefill_pool(self, like: ReplicaIdentity) -> list[Replica]:
+        """Healthy prefill replicas whose KV a replica like `like` can take (same model and kind)."""
+        return [r for r in self.replicas if r.healthy and r.prefills and r.known_identity.compat_key == like.compat_key]
 
 
 class _ProbeFailed(Exception):

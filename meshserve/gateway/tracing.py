@@ -3,6 +3,7 @@
     POST /v1/chat/completions            (the request: tenant, model, token counts, outcome)
       admission                          (tokenize, context check, quota)
       queue                              (waiting for a replica's engine to grant KV)
+      kv_handoff                         (decode-pool placements: prefill replica, bytes, seconds, GB/s, outcome)
       attempt                            (replica, attempt number, lease blocks, cached tokens expected)
         prefill                          (sent -> first token from the replica)
         decode                           (first token -> last token)

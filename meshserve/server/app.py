@@ -17,6 +17,7 @@ from meshserve.api.protocol import (
 )
 from meshserve.api.sse import JSONBytesResponse
 from meshserve.distributed.expert_load import summarize
+from meshserve.server.kv_transfers import add_kv_transfer_routes
 from meshserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from meshserve.server.reservations import add_reservation_routes
 from meshserve.server.serving import ServingContext
@@ -77,7 +78,7 @@ def build_app(ctx: ServingContext, metrics: ServerMetrics, engine_config: dict) 
         return JSONBytesResponse({"version": meshserve.__version__, "model": ctx.model_info.to_dict(),
                                   "served_model_name": ctx.model_name, "engine_config": engine_config,
                                   "server_config": ctx.config.public_dict(), **ctx.identity,
-                                  "reservations": True})
+                                  "reservations": True, "kv_role": engine_config.get("kv_role", "both")})
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:
@@ -93,6 +94,7 @@ def build_app(ctx: ServingContext, metrics: ServerMetrics, engine_config: dict) 
         return JSONBytesResponse({"tokens": tokens, "count": len(tokens), "max_model_len": ctx.max_model_len})
 
     add_reservation_routes(app, ctx)
+    add_kv_transfer_routes(app, ctx)
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> Response:

@@ -43,6 +43,14 @@ _ENGINE_SERIES: tuple[tuple[str, str, bool, Callable[[FleetStats], float]], ...]
     ("prefix_cache_hits", "Prompt tokens found in the prefix cache.", True, lambda f: f.engines.prefix_cache_hits),
     ("engine_replicas_alive", "Engine replicas taking work.", False, lambda f: f.replicas_alive),
     ("engine_restarts", "Engine processes restarted after a crash.", True, lambda f: f.engine_restarts),
+    # KV hand-offs (--kv-role prefill sends them, decode receives them): zero on a colocated replica.
+    ("kv_transfer_bytes", "KV bytes handed between prefill and decode engines.", True,
+     lambda f: f.engines.kv_transfer.get("kv_transfer_bytes", 0)),
+    ("kv_transfer_seconds", "Seconds prefill engines spent handing KV over, first chunk to acknowledgement.",
+     True, lambda f: f.engines.kv_transfer.get("kv_transfer_seconds", 0)),
+    ("kv_transfers", "KV hand-offs that completed.", True, lambda f: f.engines.kv_transfer.get("kv_transfers_ok", 0)),
+    ("kv_transfers_failed", "KV hand-offs that failed (aborted, refused, timed out).", True,
+     lambda f: f.engines.kv_transfer.get("kv_transfers_failed", 0)),
 )
 
 

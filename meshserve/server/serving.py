@@ -35,6 +35,7 @@ from meshserve.sampling_params import API_PASSTHROUGH_FIELDS, SamplingParams, St
 from meshserve.server.server_config import ServerConfig
 from meshserve.server.tools import for_template, template_knows_tools, tool_calls_of
 from meshserve.structured.grammars import grammar_of
+from meshserve.tokenizer import tokenizer_hash
 
 logger = logging.getLogger(__name__)
 
@@ -176,7 +177,7 @@ class ServingContext:
 
     # ---- the flow ------------------------------------------------------------------------------
     async def respond(self, request: Request, engine_requests: list[tuple[str, list[int], SamplingParams]],
-                      arrival: float, view: ResponseView[SamplingFields]) -> Response:
+                      arrival: float, view: ResponseView[SamplingFields], kv_transfer: dict | None = None) -> Response:
         """Submit, then either collect everything into one JSON body or stream SSE events.
 
         A stream's headers go out only once the first output is there, so a request the engine
@@ -184,7 +185,8 @@ class ServingContext:
         self.admit(sum(params.n for _, _, params in engine_requests))
         view.return_token_ids = request.headers.get(TOKEN_IDS_HEADER) == "1"
         outputs = self.client.generate(engine_requests, arrival, lease_id=request.headers.get(RESERVATION_HEADER),
-                                       owner=request.state.key_owner, cache_salt=view.req.cache_salt or "")
+                                       owner=request.state.key_owner, cache_salt=view.req.cache_salt or "",
+                                       kv_transfer=kv_transfer)
 
         async def run() -> Response:
             try:
@@ -250,6 +252,7 @@ class ResponseView(Generic[_Req]):
         self.created = int(time.time())
         self.include_usage = req.stream_options is not None and req.stream_options.include_usage
         self.return_token_ids = False
+        self.kv_transfer: dict | None = None  # a prefill request's hand-off figures
 
     def choice_index(self, request_id: str, sample_index: int) -> int:
         return sample_index
@@ -269,6 +272,7 @@ class ResponseView(Generic[_Req]):
         choices: dict[int, Choice] = defaultdict(Choice)
         completion_tokens = 0
         async for delta in outputs:
+            self.kv_transfer = delta.kv_transfer or self.kv_transfer
             for s in delta.outputs:
                 c = choices[self.choice_index(delta.request_id, s.index)]
                 c.texts.append(s.text)
@@ -338,14 +342,6 @@ def _message(m: ChatMessage) -> dict[str, Any]:
 
 def _digest(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
-
-
-def tokenizer_hash(tokenizer: object) -> str:
-    """A fingerprint of the vocabulary and merges (two replicas agree on token ids iff it matches)."""
-    identity = getattr(tokenizer, "identity", None)
-    if callable(identity):
-        return _digest(identity())
-    return _digest(f"{type(tokenizer).__name__}:{getattr(tokenizer, 'vocab_size', '')}")
 
 
 def clamp_logprob(value: float) -> float:

@@ -36,13 +36,15 @@ async def create_completion(ctx: ServingContext, request: Request) -> Response:
                           f"{ctx.config.max_prompts_per_request} are allowed (--max-prompts-per-request)",
                           param="prompt", code="too_many_prompts")
     prompts = await _prompts(ctx, req.prompt)
+    if req.kv_transfer_params is not None and (len(prompts) != 1 or req.n != 1 or req.stream):
+        raise bad_request("kv_transfer_params takes one prompt, n = 1 and no streaming", param="kv_transfer_params")
     completion_id = f"cmpl-{uuid.uuid4().hex}"
     engine_requests = []
     for i, (_, ids) in enumerate(prompts):
         max_tokens = ctx.max_tokens(req.max_tokens, len(ids), COMPLETIONS_DEFAULT_MAX_TOKENS)
         engine_requests.append((f"{completion_id}-{i}", ids, ctx.sampling_params(req, max_tokens, req.logprobs)))
     view = _CompletionView(ctx, req, completion_id, prompts, request.state.request_id)
-    return await ctx.respond(request, engine_requests, arrival, view)
+    return await ctx.respond(request, engine_requests, arrival, view, req.kv_transfer_params)
 
 
 async def _prompts(ctx: ServingContext, prompt: Prompt) -> list[tuple[str | None, list[int]]]:
@@ -99,7 +101,10 @@ class _CompletionView(ResponseView[CompletionRequest]):
             logprobs = (self._logprobs(c.token_ids, c.logprobs, 0, self.req.logprobs)[0]
                         if self.req.logprobs is not None else None)
             choices.append(completion_choice(k, text, logprobs, c.finish_reason))
-        return {**self.body(choices), "usage": usage(self.prompt_tokens, completion_tokens)}
+        body = {**self.body(choices), "usage": usage(self.prompt_tokens, completion_tokens)}
+        if self.kv_transfer is not None:
+            body["kv_transfer"] = self.kv_transfer
+        return body
 
     async def chunks(self, outputs: AsyncIterator[RequestDelta]) -> AsyncGenerator[dict, None]:
         offsets: dict[int, int] = defaultdict(int)

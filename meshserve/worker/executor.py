@@ -5,14 +5,18 @@
 `RayExecutor` (ray_executor.py) runs them as Ray actors, on one node or many;
 `make_executor` (factory.py) checks the layout and picks one.
 The engine keeps the scheduler and block manager; every rank gets every step and only the sampling
-rank (last stage, TP rank 0) returns tokens.
+rank (last stage, TP rank 0) returns tokens. KV blocks leave and enter a replica in a form that does
+not depend on its TP/PP layout (`export_kv`, `import_kv`; worker/kv_blocks.py).
 """
 from __future__ import annotations
 
 import logging
 import sys
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from pathlib import Path
+
+import torch
 
 from meshserve.config import EngineConfig
 from meshserve.distributed.expert_load import (
@@ -23,6 +27,7 @@ from meshserve.distributed.expert_load import (
 from meshserve.distributed.timing import TimingStats, mean_timing
 from meshserve.layers.sampler import SamplerOutput
 from meshserve.models.loader import ModelSource
+from meshserve.worker.kv_blocks import KVLayout, KVPart, WireTensor, assemble, check_block_ids, kv_layout
 from meshserve.worker.rank_messages import RankMethod
 from meshserve.worker.step import RankStepOutput, StepInput, StepResult
 from meshserve.worker.worker import Worker
@@ -44,6 +49,7 @@ class Executor(ABC):
         self.timing = TimingStats()
         self.infos: list[dict] = []  # per rank, from Worker.info
         self.expert_load: ExpertLoadStats | None = None  # set for an MoE model (set_moe)
+        self.kv_blocks_allocated: int | None = None  # set by init_kv_cache
 
     def set_moe(self, num_experts: int, ep_size: int) -> None:
         self.expert_load = ExpertLoadStats(num_experts, ep_size)
@@ -58,6 +64,33 @@ class Executor(ABC):
     def execute(self, step: StepInput) -> StepResult: ...
     @abstractmethod
     def check_health(self) -> None: ...
+    @abstractmethod
+    def kv_layout(self) -> KVLayout: ...
+    @abstractmethod
+    def _export_parts(self, block_ids: list[int]) -> list[KVPart]: ...
+    @abstractmethod
+    def _import_full(self, block_ids: list[int], full: torch.Tensor) -> None: ...
+
+    def export_kv(self, block_ids: Sequence[int]) -> torch.Tensor:
+        """The KV blocks `block_ids` on the CPU, `(layers, 2, n, block_size, KV heads, head_dim)` over
+        the whole model whatever the TP/PP layout, in the KV cache's dtype."""
+        ids = self._checked_blocks(block_ids, distinct=False)
+        layout = self.kv_layout()
+        return assemble(self._export_parts(ids), layout.num_layers, layout.num_kv_heads)
+
+    def import_kv(self, block_ids: Sequence[int], full: torch.Tensor) -> None:
+        """Write `full`, as export_kv gives it (from a replica of the same kv_layout), into the blocks
+        `block_ids`. Checked here, before any rank is called: a rank that raised would stop the replica."""
+        ids = self._checked_blocks(block_ids, distinct=True)
+        self.kv_layout().check_full(ids, full)
+        self._import_full(ids, full)
+
+    def _checked_blocks(self, block_ids: Sequence[int], distinct: bool) -> list[int]:
+        if self.kv_blocks_allocated is None:
+            raise RuntimeError("the KV cache is not allocated yet (init_kv_cache)")
+        ids = [int(b) for b in block_ids]
+        check_block_ids(ids, self.kv_blocks_allocated, distinct)
+        return ids
 
     def sentinels(self) -> list:
         """Handles an idle engine can wait on that become ready when a rank dies (see EngineLoop)."""
@@ -109,6 +142,7 @@ class UniProcExecutor(Executor):
 
     def init_kv_cache(self, num_blocks: int) -> None:
         self.worker.init_kv_cache(num_blocks)
+        self.kv_blocks_allocated = num_blocks
 
     def block_bytes(self) -> int:
         return self.runner.block_bytes
@@ -119,6 +153,15 @@ class UniProcExecutor(Executor):
 
     def check_health(self) -> None:
         pass
+
+    def kv_layout(self) -> KVLayout:
+        return kv_layout(self.runner)
+
+    def _export_parts(self, block_ids: list[int]) -> list[KVPart]:
+        return [self.worker.export_kv(block_ids)]
+
+    def _import_full(self, block_ids: list[int], full: torch.Tensor) -> None:
+        self.worker.import_kv(block_ids, full)
 
     def shutdown(self) -> None:
         self.worker.close()
@@ -152,6 +195,7 @@ class DistributedExecutor(Executor):
 
     def init_kv_cache(self, num_blocks: int) -> None:
         self._call_all(RankMethod.INIT_KV_CACHE, num_blocks)
+        self.kv_blocks_allocated = num_blocks
 
     def block_bytes(self) -> int:
         return max(i["block_bytes"] for i in self.infos)
@@ -159,6 +203,18 @@ class DistributedExecutor(Executor):
     def execute(self, step: StepInput) -> StepResult:
         outputs: list[RankStepOutput] = self._call_all(RankMethod.EXECUTE, self._step_arg(step))
         return self._result(outputs[self.sampling_rank].sampled, outputs)
+
+    def kv_layout(self) -> KVLayout:
+        layouts = {i["kv_layout"] for i in self.infos}
+        assert len(layouts) == 1, f"the ranks of one replica disagree on its KV layout: {layouts}"
+        return layouts.pop()
+
+    def _export_parts(self, block_ids: list[int]) -> list[KVPart]:
+        return self._call_all(RankMethod.EXPORT_KV, block_ids)
+
+    def _import_full(self, block_ids: list[int], full: torch.Tensor) -> None:
+        # One pickle for all ranks (see _broadcast), each keeps its box.
+        self._call_all(RankMethod.IMPORT_KV, block_ids, WireTensor(full))
 
     def check_health(self) -> None:
         if self._failure is not None:

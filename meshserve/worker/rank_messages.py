@@ -16,6 +16,8 @@ class RankMethod(enum.Enum):
     NUM_KV_BLOCKS = "num_kv_blocks"  # () -> int
     INIT_KV_CACHE = "init_kv_cache"  # (num_blocks,) -> None
     EXECUTE = "execute"              # (StepInput,) -> RankStepOutput
+    EXPORT_KV = "export_kv"          # (block_ids,) -> KVPart (worker/kv_blocks.py)
+    IMPORT_KV = "import_kv"          # (block_ids, WireTensor of the canonical blocks) -> None
     CLOSE = "close"                  # () -> None; the rank then exits
 
 

@@ -20,6 +20,7 @@ from meshserve.distributed.placement import pin_to_cores
 from meshserve.distributed.timing import RankTiming
 from meshserve.layers.host_to_device import to_device
 from meshserve.models.loader import ModelSource
+from meshserve.worker.kv_blocks import KVPart, WireTensor, export_blocks, import_blocks, kv_layout, unwrap
 from meshserve.worker.microbatch import (
     MIN_MICROBATCH_TOKENS,
     num_tokens,
@@ -66,7 +67,7 @@ class Worker:
     def info(self) -> dict:
         return {"rank": self.rank, "pid": os.getpid(), "block_bytes": self.runner.block_bytes,
                 "num_kv_heads": self.runner.num_kv_heads, "layers": list(self.runner.model.layer_range),
-                "experts": self.runner.expert_info}
+                "experts": self.runner.expert_info, "kv_layout": kv_layout(self.runner)}
 
     def num_kv_blocks(self) -> int:
         return self.runner.num_kv_blocks()
@@ -79,6 +80,14 @@ class Worker:
                 acts.append(torch.profiler.ProfilerActivity.CUDA)
             self._profiler = torch.profiler.profile(activities=acts)
             self._profiler.start()
+
+    def export_kv(self, block_ids: list[int]) -> KVPart:
+        """This rank's layers and KV heads of the cache blocks `block_ids` (worker/kv_blocks.py)."""
+        return export_blocks(self.runner, block_ids)
+
+    def import_kv(self, block_ids: list[int], full: torch.Tensor | WireTensor) -> None:
+        """Write this rank's share of `full`, the canonical tensor of the blocks `block_ids`, into them."""
+        import_blocks(self.runner, block_ids, unwrap(full))
 
     @torch.inference_mode()
     def execute(self, step: StepInput) -> RankStepOutput:

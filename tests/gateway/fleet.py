@@ -3,6 +3,10 @@
 A `Fleet` is two `meshserve serve` processes with a small KV cache; tests start gateways in front of
 them (`gateway(...)`), read the replicas' own counters (`/metrics`, `/v1/reservations`), and can
 kill -9, freeze or restart a replica. Every wait is bounded.
+
+A `LocalGateway` is a gateway in the test's own process (its own thread and event loop) in front of
+fake replicas (fake_replica.py): it starts in a fraction of a second and its state is open to the
+test, for the disaggregated prefill/decode tests.
 """
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ import os
 import signal
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,11 +60,14 @@ class Fleet:
             r.wait_ready(STARTUP_S)
         return self
 
-    def gateway(self, *flags: str, backends: list[str] | None = None) -> LaunchedServer:
-        """A gateway process in front of the replicas (fast probes), started and healthy."""
+    def gateway(self, *flags: str, backends: list[str] | None = None, prefill: list[str] = (),
+                decode: list[str] = ()) -> LaunchedServer:
+        """A gateway process in front of the replicas (fast probes), started and healthy; with
+        `prefill`/`decode`, those pools beside (or, with backends=[], instead of) the backends."""
         argv = ["gateway", "--probe-interval", "0.2", "--stale-after", "2", "--log-level", "warning", *flags]
-        for url in backends or self.urls:
+        for url in self.urls if backends is None else backends:
             argv += ["--backend", url]
+        argv += [a for url in prefill for a in ("--prefill", url)] + [a for url in decode for a in ("--decode", url)]
         gw = _process(argv)
         gw.start()
         self.gateways.append(gw)
@@ -220,3 +228,38 @@ def session() -> aiohttp.ClientSession:
 def prompt(tag: str, words: int = 20) -> str:
     """A prompt that differs from every other from its first block on."""
     return f"{tag}: " + " ".join(f"item {tag} {k}" for k in range(words // 3))
+
+
+class LocalGateway:
+    """A gateway in this process, on a loopback port, with its own thread and loop: `with
+    LocalGateway(config) as gw:` starts it (it has probed every replica once) and stops it (its
+    spans are flushed to the config's trace file by then)."""
+
+    def __init__(self, config) -> None:
+        import uvicorn
+
+        from meshserve.gateway.app import Gateway, build_app
+
+        self.port = free_port()
+        config.host, config.port = "127.0.0.1", self.port
+        self.gateway = Gateway(config)
+        self.server = uvicorn.Server(uvicorn.Config(build_app(self.gateway), host="127.0.0.1", port=self.port,
+                                                    log_level="warning", lifespan="off"))
+        self.thread = threading.Thread(target=lambda: asyncio.run(self._serve()), daemon=True)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    async def _serve(self) -> None:
+        await self.gateway.start()
+        try:
+            await self.server.serve()
+        finally:
+            await self.gateway.stop()
+
+    def __enter__(self) -> LocalGateway:
+        self.thread.start()
+        wait_until(lambda: self.server.started, 20, "the in-process gateway")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(20)

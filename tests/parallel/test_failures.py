@@ -7,6 +7,7 @@ import pytest
 from parallel_helpers import ENGINE_ARGS, GREEDY, prompts
 
 from meshserve import LLM, SamplingParams
+from meshserve.engine import llm_engine
 from meshserve.worker.executor import WorkerFailure
 from meshserve.worker.mp_executor import STEP_ERROR_GRACE_S
 from meshserve.worker.rank_messages import RankMethod
@@ -60,22 +61,22 @@ def test_check_health_reports_a_rank_that_died_while_idle(tiny_kv2):
         llm.engine.shutdown()
 
 
-def test_a_step_that_raises_on_every_rank_fails_only_its_requests(tiny_kv2, reference_kv2):
+def test_a_step_that_raises_on_every_rank_fails_only_its_requests(tiny_kv2, reference_kv2, monkeypatch):
     """All ranks raise in the same step (a block id outside the cache): every rank answers, so the
     executor is sound; the engine fails that step's requests and serves the next ones exactly."""
     llm = LLM(tiny_kv2, tensor_parallel_size=2, **ENGINE_ARGS)
     engine = llm.engine
     try:
-        real = engine._step_input
+        real = llm_engine.build_step_input
 
-        def corrupt(sched):
-            step = real(sched)
+        def corrupt(*args):
+            step = real(*args)
             step.seqs[0].block_table = [10**6] * len(step.seqs[0].block_table)
             return step
 
-        engine._step_input = corrupt
-        out = llm.generate(["Hello there"], SamplingParams(temperature=0.0, max_tokens=4))[0]
-        engine._step_input = real
+        with monkeypatch.context() as patch:
+            patch.setattr(llm_engine, "build_step_input", corrupt)
+            out = llm.generate(["Hello there"], SamplingParams(temperature=0.0, max_tokens=4))[0]
         assert out.outputs[0].finish_reason == "error" and "worker rank" in out.error
         assert all(p.is_alive() for p in engine.executor.procs)
         assert [o.outputs[0].token_ids for o in llm.generate(prompts(), GREEDY)] == reference_kv2

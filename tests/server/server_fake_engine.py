@@ -81,7 +81,9 @@ class FakeEngine:
         return {"model": "fake-echo", "block_size": BLOCK}
 
     def add_request(self, request_id, prompt, params, arrival_time=None, lease_id=None, lease_owner="",
-                    cache_salt="") -> list[int]:
+                    cache_salt="", kv_transfer=None) -> list[int]:
+        if kv_transfer is not None:
+            raise ValueError("this engine sends no KV")
         if lease_id is not None:
             raise ValueError("this engine grants no reservations")
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
@@ -149,6 +151,12 @@ class FakeEngine:
 
     def leases(self, owner: str = "") -> LeaseLedger:
         raise UnsupportedCall
+
+    def kv_prepare(self, req):
+        raise UnsupportedCall
+
+    def kv_abort(self, transfer_id: str) -> bool:
+        return False
 
     def check_health(self) -> None:
         pass

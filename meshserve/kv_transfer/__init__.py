@@ -1,0 +1,1 @@
+"""The prefill->decode KV hand-off."""
