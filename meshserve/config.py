@@ -92,6 +92,9 @@ class EngineConfig:
                              choices=("tcp", "pg", "inproc"))
     kv_host: str = flag("127.0.0.1", "the address a decode engine receives K/V on")
     kv_port: int = flag(0, "the port a decode engine receives K/V on (0: any free port)")
+    async_scheduling: bool = flag(False, "schedule and launch the next step while the current one runs, rendering "
+                                         "the current step's text meanwhile (helps where the forward runs on a "
+                                         "GPU; not with --kv-role prefill/decode)")
     enforce_eager: bool = flag(False, "CUDA: run every step eagerly instead of replaying CUDA graphs for "
                                       "decode steps")
 
@@ -125,6 +128,9 @@ class EngineConfig:
         if self.kv_role not in ("both", "prefill", "decode"):
             raise ValueError(f"kv_role must be both, prefill or decode, got {self.kv_role!r}")
         check_range("kv_port", self.kv_port, 0, 65535, integer=True)
+        if self.async_scheduling and self.kv_role != "both":
+            raise ValueError("async_scheduling does not combine with a kv_role: a hand-off reads the KV cache "
+                             "between steps")
         if self.pipeline_split is not None and len(self.pipeline_split) != self.pipeline_parallel_size:
             raise ValueError(f"pipeline_split has {len(self.pipeline_split)} entries but "
                              f"pipeline_parallel_size is {self.pipeline_parallel_size}")

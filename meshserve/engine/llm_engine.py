@@ -8,21 +8,16 @@ from __future__ import annotations
 import logging
 import sys
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from meshserve.config import EngineConfig
+from meshserve.engine.answers import CallAnswers
 from meshserve.engine.block_manager import BlockManager
-from meshserve.engine.handoff import HandoffCalls
 from meshserve.engine.messages import (
-    EngineStats,
     ErrorCode,
-    LeaseInfo,
-    LeaseLedger,
-    LeaseRef,
-    ModelInfo,
     RequestDelta,
-    ReserveRequest,
 )
 from meshserve.engine.output import EngineRequest
 from meshserve.engine.reservations import LeaseDesk
@@ -37,6 +32,7 @@ from meshserve.structured.matchers import StructuredOutputs
 from meshserve.tokenizer import Tokenizer
 from meshserve.worker.executor import WorkerFailure
 from meshserve.worker.factory import make_executor
+from meshserve.worker.step import StepResult
 
 if TYPE_CHECKING:
     from meshserve.layers.sampler import SamplerOutput
@@ -44,7 +40,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger("meshserve")
 
 
-class LLMEngine(HandoffCalls):
+class LLMEngine(CallAnswers):
     def __init__(self, config: EngineConfig):
         self.source = resolve_model(config.model, config.load_format)
         config = replace(config, quantization=self.source.quantization_for(config.quantization,
@@ -93,6 +89,11 @@ class LLMEngine(HandoffCalls):
         self.num_prompt_tokens = self.num_generation_tokens = 0
         self.last_step_compute_s = self.last_step_comm_s = 0.0
         self.timeline = StepTimeline(config.step_trace)
+        # Async scheduling: the next step runs on this thread while the engine renders the last one.
+        self._step_thread = ThreadPoolExecutor(1, "meshserve-step") if config.async_scheduling else None
+        self._inflight: tuple[SchedulerOutput, Future[StepResult], float, dict[str, float]] | None = None
+        # The ranks' timing and expert counts as of the last step (get_stats must not read them mid-step).
+        self._executor_stats: tuple[dict[str, Any], dict[str, Any]] = ({}, {})
         self.kv: KVConnector | None = make_connector(config, self.executor, self.block_manager, self.source,
                                                      self.tokenizer)
         kv_tokens = num_blocks * config.block_size
@@ -101,14 +102,6 @@ class LLMEngine(HandoffCalls):
                     self.source.model_id, self.source.revision, num_blocks, config.block_size, kv_tokens,
                     num_blocks * self.executor.block_bytes() / 2**30, self.max_model_len,
                     kv_tokens / self.max_model_len)
-
-    @property
-    def model_info(self) -> ModelInfo:
-        return ModelInfo(self.config.served_model_name or self.source.model_id, self.max_model_len,
-                         self.source.revision, self.vocab_size)
-
-    def config_dict(self) -> dict[str, Any]:
-        return self.config.to_dict()
 
     # ---- requests ----------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
@@ -165,10 +158,12 @@ class LLMEngine(HandoffCalls):
             self._finish_request(state, "abort")
 
     def has_unfinished_requests(self) -> bool:
+        if self._inflight is not None or self._ended_between_steps:
+            return True
         if self.kv is None:
-            return bool(self.requests or self._ended_between_steps)
+            return bool(self.requests)
         # Requests waiting only for a hand-off's ack move when the connector has news.
-        return bool(len(self.requests) > self.kv.waiting_requests or self._ended_between_steps or self.kv.has_news())
+        return len(self.requests) > self.kv.waiting_requests or self.kv.has_news()
 
     def _abort_with_error(self, state: EngineRequest, why: str, code: ErrorCode) -> None:
         """End a request the engine stops itself; its last delta (with why) goes out with the next step."""
@@ -229,21 +224,13 @@ class LLMEngine(HandoffCalls):
         return failed
 
     def _step(self) -> list[RequestDelta]:
-        t0 = time.perf_counter()
-        sched = self.scheduler.schedule()
-        if sched.is_empty:
+        launched, self._inflight = self._inflight or self._launch(), None
+        if launched is None:
             return []
-        now = time.monotonic()
-        for item in sched.scheduled:
-            m = self.seq_to_request[item.seq.seq_id].metrics
-            if m.first_scheduled_time is None:
-                m.first_scheduled_time = now
-        t1 = time.perf_counter()
+        sched, pending, now, phases = launched
+        t2 = phases.pop("started")  # when the ranks got the step
         try:
-            finished, self._finished_seq_ids = self._finished_seq_ids, []
-            step_input = build_step_input(sched, self.structured, finished)
-            t2 = time.perf_counter()
-            result = self.executor.execute(step_input)
+            result = pending.result()
         except WorkerFailure:
             raise
         except Exception as exc:
@@ -257,12 +244,48 @@ class LLMEngine(HandoffCalls):
             self.kv.after_step(sched.scheduled)
         self.last_step_compute_s = result.compute_s
         self.last_step_comm_s = sum(result.comm_s.values())
-        deltas = self._update(sched, result.sampled)
+        self._executor_stats = self.executor.timing_snapshot(), self.executor.expert_load_snapshot()
+        touched = self._take_tokens(sched, result.sampled)
+        if self._step_thread is not None:  # the next step runs while this one's text is rendered
+            self._inflight = self._launch()
+        deltas = self._deltas(touched)
         sample_s = max((t.sample_s for t in result.rank_timings), default=0.0)
-        self.timeline.record({"schedule": t1 - t0, "prepare": t2 - t1, "forward": t3 - t2 - sample_s,
-                              "sample": sample_s, "output": time.perf_counter() - t3},
+        self.timeline.record({**phases, "forward": t3 - t2 - sample_s, "sample": sample_s,
+                              "output": time.perf_counter() - t3},
                              now, _step_shape(sched) if self.config.step_trace else None)
         return deltas
+
+    def _launch(self) -> tuple[SchedulerOutput, Future[StepResult], float, dict[str, float]] | None:
+        """Schedule a step and start it: on the step thread with async scheduling, else run it here.
+        Its result (or what it raised) is the future's."""
+        t0 = time.perf_counter()
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return None
+        now = time.monotonic()
+        for item in sched.scheduled:
+            m = self.seq_to_request[item.seq.seq_id].metrics
+            if m.first_scheduled_time is None:
+                m.first_scheduled_time = now
+        t1 = time.perf_counter()
+        pending: Future[StepResult] = Future()
+        try:
+            finished, self._finished_seq_ids = self._finished_seq_ids, []
+            step_input = build_step_input(sched, self.structured, finished)
+            t2 = time.perf_counter()
+            if self._step_thread is not None:
+                pending = self._step_thread.submit(self.executor.execute, step_input)
+            else:
+                pending.set_result(self.executor.execute(step_input))
+        except WorkerFailure:
+            raise
+        except Exception as exc:
+            pending.set_exception(exc)
+            t2 = time.perf_counter()
+        except BaseException:
+            self.block_manager.rollback_step()
+            raise
+        return sched, pending, now, {"schedule": t1 - t0, "prepare": t2 - t1, "started": t2}
 
     def _fail_step(self, sched: SchedulerOutput, exc: Exception) -> list[RequestDelta]:
         logger.error("an engine step failed (%s: %s); failing the %d request(s) in it",
@@ -270,7 +293,7 @@ class LLMEngine(HandoffCalls):
                      exc_info=logger.isEnabledFor(logging.DEBUG))
         self.block_manager.rollback_step()
         failed = {self.seq_to_request[i.seq.seq_id].request_id: self.seq_to_request[i.seq.seq_id]
-                  for i in sched.scheduled}
+                  for i in sched.scheduled if not i.seq.is_finished}
         deltas = []
         for state in failed.values():
             state.error = f"the engine step failed: {type(exc).__name__}: {exc}"
@@ -280,12 +303,16 @@ class LLMEngine(HandoffCalls):
                 deltas.append(delta)
         return deltas
 
-    def _update(self, sched: SchedulerOutput, sampled: SamplerOutput | None) -> list[RequestDelta]:
+    def _take_tokens(self, sched: SchedulerOutput, sampled: SamplerOutput | None) -> list[EngineRequest]:
+        """Each sequence's new token and whether it ends there: all the next step's schedule needs."""
         now = time.monotonic()
         touched: dict[str, EngineRequest] = {}
         row = 0
         for item in sched.scheduled:
             seq = item.seq
+            if seq.is_finished:  # aborted while its step ran (async scheduling): its token is void
+                row += item.completes
+                continue
             seq.num_computed_tokens = item.start + item.num_tokens
             if not item.completes:
                 continue
@@ -296,8 +323,15 @@ class LLMEngine(HandoffCalls):
             self._append_token(state, seq, sampled.token_ids[row], sampled.logprobs[row], now)
             row += 1
             touched[state.request_id] = state
+        return list(touched.values())
+
+    def _deltas(self, touched: list[EngineRequest]) -> list[RequestDelta]:
+        now = time.monotonic()
         deltas = []
-        for state in touched.values():
+        for state in touched:
+            for sample in state.samples:
+                if sample.rendered < len(sample.token_ids):
+                    sample.render(sample.finished, check_stops=False)
             delta = state.take_delta()
             if state.finished and delta is not None and self.kv is not None \
                     and self.kv.hold_finished(state.request_id, state, delta):
@@ -328,63 +362,20 @@ class LLMEngine(HandoffCalls):
         elif p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             reason = "length"
         sample = state.samples[seq.index]
-        sample.append(token, lp, final=reason is not None, check_stops=may_stop)
+        if sample.stops:  # its text decides whether it stops: rendered before the next step is scheduled
+            sample.append(token, lp, final=reason is not None, check_stops=may_stop)
+        else:
+            sample.push(token, lp)
         if reason is not None:
             sample.finish(reason, stop_reason)
         if sample.finish_reason is not None:  # it finished, with this token or a stop string in its text
             self.scheduler.finish(seq, sample.finish_reason, sample.stop_reason)
 
-    # ---- reservations ------------------------------------------------------------------
-    def reserve(self, req: ReserveRequest) -> LeaseInfo | None:
-        """Grant a lease for `req` against the blocks not held back already, or None."""
-        return self.desk.reserve(req)
-
-    def release_lease(self, ref: LeaseRef) -> bool:
-        """End the owner's lease; a request drawing on it is stopped and told why."""
-        owned, running = self.desk.holder(ref)
-        if not owned:
-            return False
-        if running is not None:
-            self._abort_with_error(self.requests[running], f"its KV reservation {ref.lease_id} was released",
-                                   ErrorCode.RESERVATION_RELEASED)
-        self.desk.release(ref.lease_id)
-        return True
-
-    def leases(self, owner: str = "") -> LeaseLedger:
-        return self.desk.ledger(owner)
-
-    def get_stats(self) -> EngineStats:
-        bm = self.block_manager
-        sched = self.scheduler
-        pending = sum(s.num_tokens - s.num_computed_tokens for s in sched.waiting) + sum(
-            s.num_tokens - s.num_computed_tokens for s in sched.running if s.num_computed_tokens < s.num_prompt_tokens)
-        return EngineStats(
-            num_running=len(sched.running), num_waiting=len(sched.waiting), kv_cache_usage=bm.usage,
-            prefix_cache_queries=bm.prefix_queries, prefix_cache_hits=bm.prefix_hits,
-            num_prompt_tokens=self.num_prompt_tokens, num_generation_tokens=self.num_generation_tokens,
-            num_preemptions=sched.num_preemptions, num_free_blocks=bm.num_free_blocks, num_blocks=bm.num_blocks,
-            reserved_blocks=bm.reserved_blocks, held_back_blocks=bm.held_back, num_leases=len(bm.leases),
-            pending_prefill_tokens=pending, block_size=bm.block_size, last_step_compute_s=self.last_step_compute_s,
-            last_step_comm_s=self.last_step_comm_s, parallel_timing=self.executor.timing_snapshot(),
-            expert_load=self.executor.expert_load_snapshot(), step_phases=dict(self.timeline.last),
-            kv_transfer=self.kv.stats() if self.kv is not None else {})
-
-    def check_health(self) -> None:
-        """Raise (WorkerFailure) if a rank is gone, even while no request is running."""
-        self.executor.check_health()
-
-    def health_watch(self) -> tuple[list[int], float | None]:
-        """What an idle engine process waits on besides its inbox: rank sentinels, and how often to
-        call check_health when there are none to wait on."""
-        watch = self.executor.sentinels(), self.executor.health_check_interval
-        return watch if self.kv is None else self.kv.watch(*watch)
-
-    def record_ipc(self, seconds: float) -> None:
-        self.timeline.add("ipc", seconds)
-
     def shutdown(self) -> None:
         if self.config.profile and self.timeline.steps:
             print(self.timeline.table(), file=sys.stderr)
+        if self._step_thread is not None:
+            self._step_thread.shutdown(wait=True)
         self.timeline.close()
         self.structured.close()
         if self.kv is not None:

@@ -17,7 +17,7 @@ from meshserve.tokenizer import Tokenizer
 
 class SampleState:
     __slots__ = ("index", "detok", "stops", "include_stop", "holdback", "token_ids", "logprobs",
-                 "emitted_chars", "pending", "sent_tokens", "finish_reason", "stop_reason", "reported")
+                 "emitted_chars", "pending", "sent_tokens", "finish_reason", "stop_reason", "reported", "rendered")
 
     def __init__(self, index: int, detok: IncrementalDetokenizer, params: SamplingParams) -> None:
         self.index = index
@@ -34,6 +34,7 @@ class SampleState:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.reported = False  # the finish has gone out in a delta
+        self.rendered = 0  # tokens whose text is in `pending` (or out)
 
     @property
     def finished(self) -> bool:
@@ -43,13 +44,23 @@ class SampleState:
                check_stops: bool) -> None:
         """Add one generated token. `final`: the sample ends with it (EOS, a length limit), so its
         last text is flushed. `check_stops`: stop strings may match now (min_tokens reached)."""
+        self.push(token, lp)
+        self.render(final, check_stops)
+
+    def push(self, token: int, lp: tuple[float, list[tuple[int, float]]] | None) -> None:
+        """Record a token; its text comes with the next `render` (which a sample without stop strings
+        may leave until the next step is under way: its text cannot change what is scheduled)."""
         self.token_ids.append(token)
         if lp is not None and self.logprobs is not None:
             chosen, top = lp
             entry = dict(top)
             entry[token] = chosen
             self.logprobs.append(entry)
-        delta = self.detok.add(token)
+
+    def render(self, final: bool, check_stops: bool) -> None:
+        """Detokenize the tokens pushed since the last render; check stop strings on the new text."""
+        delta = "".join(self.detok.add(t) for t in self.token_ids[self.rendered:])
+        self.rendered = len(self.token_ids)
         if final:
             delta += self.detok.flush()
         if not delta:
