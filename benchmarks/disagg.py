@@ -122,7 +122,8 @@ def write_dataset(a: argparse.Namespace, path: str) -> list[bool]:
     rng.shuffle(is_long)
     with open(path, "w", encoding="utf-8") as f:
         for i, long_ in enumerate(is_long):
-            n = rng.randint(*(a.long_len if long_ else a.short_len))
+            lo_hi = a.long_len if long_ else a.short_len
+            n = rng.randint(lo_hi[0], lo_hi[-1])
             tag = f"Document {i} to summarize" if long_ else f"Question {i}"
             f.write(json.dumps({"prompt": _prompt(rng, tag, n), "max_tokens": a.output_len}) + "\n")
     return is_long
@@ -164,16 +165,12 @@ def fleet(config: str, a: argparse.Namespace, log_dir: str, tag: str) -> Iterato
         gateway = _process(argv, log_dir, f"{tag}-gateway")
         started.append(gateway.start())
         gateway.wait_ready(60)
-        yield SimpleNamespace(config=config, gateway=gateway, replicas=replicas, trace=trace,
-                              model=_get(gateway.url + "/v1/models")["data"][0]["id"])
+        with urllib.request.urlopen(gateway.url + "/v1/models", timeout=10) as resp:
+            model = json.loads(resp.read())["data"][0]["id"]
+        yield SimpleNamespace(config=config, gateway=gateway, replicas=replicas, trace=trace, model=model)
     finally:
         for proc in reversed(started):
             proc.stop()
-
-
-def _get(url: str) -> dict:
-    with urllib.request.urlopen(url, timeout=10) as resp:
-        return json.loads(resp.read())
 
 
 def _complete(url: str, model: str, prompt: str, max_tokens: int, timeout: float) -> None:
@@ -268,7 +265,7 @@ def run_one(config: str, a: argparse.Namespace, log_dir: str, dataset: str, is_l
         outcomes = {k: int(after[k] - before[k]) for k in OUTCOMES}
         spans = handoff_spans(f.trace, since, sum(outcomes.values())) if config == "split" else []
     row = {k: result.get(k) for k in KEYS}
-    row["slo_met"] = slo_by_class(result, is_long, a)
+    row["slo_met"], row["errors"] = slo_by_class(result, is_long, a), result.get("errors") or {}
     if config == "split":
         row["handoff_outcomes"] = outcomes
         row["handoffs"] = [{"bytes": s["meshserve.kv.bytes"], "seconds": s["meshserve.kv.seconds"],
@@ -343,6 +340,9 @@ def print_tables(doc: dict, a: argparse.Namespace) -> None:
                      f"{slo['long'][0]:g}/{slo['long'][1]}", f"{slo['short'][0]:g}/{slo['short'][1]}",
                      "n/a" if cost is None else f"{cost:.3g}"])
     print(table(headers, body))
+    for config in CONFIGS:  # what failed, summed over the runs
+        errors = sum((Counter(r["errors"]) for r in doc["fleets"][config]["runs"]), Counter())
+        print("".join(f"{config} failed x{n}: {why}\n" for why, n in errors.items()), end="")
     cal, h = doc["calibration"], doc["handoffs"]
     bw = "n/a (no growth with bytes)" if cal["bandwidth_gbs"] is None else f"{cal['bandwidth_gbs']:.3f} GB/s"
     r2 = "" if cal["r2"] is None else f", r^2 {cal['r2']:.2f}"

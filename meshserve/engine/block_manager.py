@@ -60,7 +60,7 @@ class LeaseLimitError(ValueError):
 class Lease:
     """Blocks promised to one request (or one attempt of it) until it ends or the lease expires."""
     __slots__ = ("lease_id", "request_id", "attempt_id", "blocks", "expires_at", "pinned", "taken", "bound_to",
-                 "seqs", "owner", "cache_salt", "importing")
+                 "seqs", "owner", "cache_salt", "importing", "ttl_s")
 
     def __init__(self, lease_id: str, request_id: str, attempt_id: str, blocks: int, expires_at: float,
                  pinned: list[Block], owner: str = "", cache_salt: str = "") -> None:
@@ -71,6 +71,7 @@ class Lease:
         self.attempt_id = attempt_id
         self.blocks = blocks  # blocks promised beyond the pinned prefix
         self.expires_at = expires_at  # monotonic; an unbound lease ends then
+        self.ttl_s = 0.0  # how long it lives unused (a hand-off renews it by as much: kv_transfer)
         self.pinned = pinned  # the cached prefix the size was computed against
         self.taken = 0  # blocks its request took out of the free queue so far
         self.bound_to: str | None = None  # the engine request drawing on it

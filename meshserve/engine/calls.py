@@ -84,10 +84,13 @@ class EngineCalls:
 
     async def responsive(self, timeout_s: float) -> dict[int, bool]:
         """Whether each live engine's loop answers within `timeout_s` (a wedged or stopped engine
-        process does not, however alive its process looks)."""
+        process does not, however alive its process looks); a busy engine whose steps keep
+        finishing counts without waiting for its current step to end."""
         ranks = self.client.supervisor.alive_ranks()
 
         async def ping(rank: int) -> bool:
+            if self.client.stepping(rank, timeout_s):  # mid-step, steps finishing: alive, and no wait
+                return True
             try:
                 return bool(await asyncio.wait_for(self.client.call(rank, CallMethod.PING), timeout_s))
             except (TimeoutError, EngineDeadError):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
+from collections import deque
 from collections.abc import AsyncGenerator, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -107,6 +108,9 @@ class EngineClient:
             policy, log_level)
         self._stats: list[EngineStats | None] = [None] * len(factories)
         self._outstanding = [0] * len(factories)
+        # When each engine last finished a step, and how long its recent steps took (see stepping).
+        self._last_step_at = [0.0] * len(factories)
+        self._step_seconds: list[deque[float]] = [deque(maxlen=32) for _ in factories]
         self._requests: dict[str, PendingRequest] = {}
         self._calls: dict[int, tuple[int, asyncio.Future[Any]]] = {}  # reply id -> (engine, its answer)
         self._reply_ids = itertools.count()
@@ -142,6 +146,15 @@ class EngineClient:
         """At least one engine takes work."""
         return bool(self.supervisor.alive_ranks())
 
+    def stepping(self, rank: int, timeout_s: float) -> bool:
+        """The engine is busy and its steps keep finishing: the last one within four times its
+        recent longest step (and within `timeout_s` at least). Its loop answers only between steps,
+        so a long step (a long prompt on a CPU) is no sign of a wedge while this holds."""
+        if not self._outstanding[rank] or not self._last_step_at[rank]:
+            return False
+        allowance = max(timeout_s, 4 * max(self._step_seconds[rank], default=0.0))
+        return time.monotonic() - self._last_step_at[rank] < allowance
+
     def health(self, responsive: dict[int, bool]) -> dict[str, Any]:
         """The /health body, given which live engines answered a ping (calls.responsive)."""
         sup = self.supervisor
@@ -156,6 +169,10 @@ class EngineClient:
         match event:
             case StepOutput():
                 self._stats[rank] = event.stats
+                now = time.monotonic()
+                if self._last_step_at[rank]:
+                    self._step_seconds[rank].append(now - self._last_step_at[rank])
+                self._last_step_at[rank] = now
                 if self.listener is not None:
                     self.listener.on_step(event.stats.step_phases)
                 for delta in event.deltas:

@@ -34,7 +34,10 @@ class LeaseDesk:
         lease = self.bm.reserve(uuid.uuid4().hex, req.prompt_token_ids, max_new, req.n,
                                 time.monotonic() + req.ttl_s, req.request_id, req.attempt_id, req.owner,
                                 req.cache_salt, req.max_owner_leases)
-        return None if lease is None else self._info(lease, time.monotonic())
+        if lease is None:
+            return None
+        lease.ttl_s = req.ttl_s
+        return self._info(lease, time.monotonic())
 
     def holder(self, ref: LeaseRef) -> tuple[bool, str | None]:
         """(whether the owner has this lease, the running request drawing on it if any)."""

@@ -73,6 +73,8 @@ def add_gateway_options(p: argparse.ArgumentParser, d: CacheAwareConfig, shared:
                    help="blocks the routing prefix index remembers, LRU (default: %(default)s)")
     h = p.add_argument_group("health and failures")
     h.add_argument("--probe-interval", type=float, default=1.0, metavar="S", help="(default: %(default)s)")
+    h.add_argument("--probe-timeout", type=float, default=2.0, metavar="S",
+                   help="a health probe not answered within this long has failed (default: %(default)s)")
     h.add_argument("--stale-after", type=float, default=5.0, metavar="S",
                    help="load figures older than this make a replica count as saturated (default: %(default)s)")
     h.add_argument("--breaker-failures", type=int, default=3, metavar="N",
@@ -104,7 +106,7 @@ def add_gateway_options(p: argparse.ArgumentParser, d: CacheAwareConfig, shared:
                    help="/tokenize calls one request's prompts may have open at once (default: %(default)s)")
     a.add_argument("--max-upstream-connections", type=int, default=512, metavar="N",
                    help="connections to the replicas at once; more requests wait for one (default: %(default)s)")
-    a.add_argument("--reservation-timeout", type=float, default=2.0, metavar="S",
+    a.add_argument("--reservation-timeout", type=float, default=10.0, metavar="S",
                    help="a replica that neither grants nor refuses a reservation within this long has "
                         "failed the call (default: %(default)s)")
     a.add_argument("--skip-ahead-age", type=float, default=5.0, metavar="S",
@@ -133,7 +135,8 @@ def config_from_args(args: argparse.Namespace, backends: list[str], host: str, p
                                    index_blocks=args.prefix_index_blocks)
     return GatewayConfig(
         backends=backends, policy=args.policy, host=host, port=port, cache_aware=cache_aware,
-        probe_interval_s=args.probe_interval, stale_after_s=args.stale_after,
+        probe_interval_s=args.probe_interval, probe_timeout_s=args.probe_timeout,
+        stale_after_s=args.stale_after,
         breaker_failures=args.breaker_failures, breaker_cooldown_s=args.breaker_cooldown,
         breaker_max_cooldown_s=args.breaker_max_cooldown, first_token_timeout_s=args.first_token_timeout,
         retry_budget_ratio=args.retry_budget_ratio, resume_streams=args.resume_streams,

@@ -25,7 +25,9 @@ class GatewayConfig:
     breaker_cooldown_s: float = 1.0  # open -> half-open (doubles on each failed half-open probe)
     breaker_max_cooldown_s: float = 30.0
     connect_timeout_s: float = 2.0
-    reservation_timeout_s: float = 2.0  # a replica that does not grant or refuse by then has failed the call
+    # A replica answers reservations between steps: this must outlast its longest step (a long
+    # prompt on a CPU takes seconds), or a busy replica reads as failed.
+    reservation_timeout_s: float = 10.0
     first_token_timeout_s: float = 300.0  # an attempt with no output for this long has failed
     # Failure protocol.
     retry_budget_ratio: float = 0.1  # retries allowed per request routed, fleet-wide

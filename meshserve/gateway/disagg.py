@@ -44,6 +44,8 @@ from meshserve.gateway.tracing import Tracing
 
 logger = logging.getLogger(__name__)
 
+HANDOFF_SHARE_OF_LEASE = 0.8  # of --lease-ttl a hand-off may take
+
 TRANSFERS_PATH = "/v1/kv/transfers"
 ABORT_TIMEOUT_S = 2.0  # an abort is best effort: a leg that does not answer ends with its lease or TTL
 _MIN_TIMEOUT_S = 0.001  # aiohttp reads a zero timeout as none at all
@@ -126,7 +128,9 @@ class Disaggregation:
         logger.info("KV hand-off to %s failed (%s): it computes the prompt itself", placement.replica.label, reason)
 
     async def _run(self, greq: GatewayRequest, placement: Placement, result: Handoff, span: trace.Span) -> None:
-        until = time.monotonic() + min(greq.deadline.remaining(), self.config.lease_ttl_s)
+        # The decode replica renews the lease as the hand-off starts; ending the hand-off well within
+        # it leaves the fallback (decode computes the prompt) its lease still.
+        until = time.monotonic() + min(greq.deadline.remaining(), HANDOFF_SHARE_OF_LEASE * self.config.lease_ttl_s)
         decode = placement.replica
         prefill = self._pick(decode)
         if prefill is None:

@@ -131,6 +131,7 @@ class KVConnector:
         blocks = self.bm.take_for_import(lease_id, owner, num)
         if blocks is None:
             return None
+        _renew(lease)  # the hand-off starts now: its lease runs from here
         wall_expiry = time.time() + (lease.expires_at - time.monotonic())
         desc = TransferDescriptor(
             uuid.uuid4().hex, request_id, attempt_id, self.identity.model, self.identity.revision,
@@ -163,6 +164,7 @@ class KVConnector:
                 assert lease is not None
                 self.executor.import_kv(desc.dst_block_ids, incoming.payload())
                 self.bm.commit_import(lease, incoming.token_ids)
+                _renew(lease)  # the request that draws on it gets a whole lease period to come
                 self.bytes_total += incoming.num_bytes
                 self.transfers_ok += 1
             except Exception as exc:  # the ranks refused the write: the blocks hold nothing usable
@@ -319,3 +321,6 @@ def make_connector(config: Any, executor: Executor, block_manager: BlockManager,
     return KVConnector(config.kv_role, config.kv_transport, config.kv_host, config.kv_port, executor,
                        block_manager, identity, layout)
 
+
+def _renew(lease: Any) -> None:
+    lease.expires_at = max(lease.expires_at, time.monotonic() + lease.ttl_s)
