@@ -25,7 +25,7 @@ from tests.engine.kv_handoff_driver import (
     tokens,
 )
 
-TTL = 1.0  # the lease period of the fault tests (seconds)
+TTL = 2.0  # the lease period of the fault tests (seconds)
 
 
 def prompt_of(n: int, seed: int = 0, vocab: int = 49152) -> list[int]:
@@ -211,3 +211,19 @@ def test_over_tcp_a_dead_peer_costs_one_lease_at_most(peaked_model):
     finally:
         for engine in live:
             engine.shutdown()
+
+
+def test_a_handoff_renews_its_lease(pair):
+    """A hand-off that starts late in its lease gets a whole lease period from its start, and the
+    request that draws on it a whole period from the commit: a fallback never finds it gone."""
+    prefill, decode = pair
+    ttl = 4.0  # without renewal 0.4 of it would be left at each check; with it, nearly all
+    prompt = prompt_of(90, seed=21)
+    lease = decode.reserve(ReserveRequest(prompt, 4, 1, ttl_s=ttl))
+    time.sleep(0.6 * ttl)
+    desc = decode.kv_prepare(KVPrepare(lease.lease_id, prompt))
+    assert decode.leases().leases[0].expires_in_s > 0.5 * ttl
+    time.sleep(0.6 * ttl)
+    run_prefill(prefill, decode, prompt, desc, "renewed")
+    assert decode.leases().leases[0].expires_in_s > 0.5 * ttl
+    assert len(tokens(run_decode(decode, prompt, 4, lease.lease_id, rid="renewed-d"))) == 4

@@ -191,12 +191,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-stream-backlog", type=int, default=1024)
     p.add_argument("--pause-file", default=None, help="while it exists, no request gets a token past its first")
     p.add_argument("--restart-gate", default=None, help="while it exists, a restarted engine does not finish loading")
+    p.add_argument("--health-timeout", type=float, default=5.0)
     a = p.parse_args(sys.argv[1:] if argv is None else argv)
     config = ServerConfig(port=a.port, api_key=a.api_key, drain_timeout=a.drain_timeout,
                           max_queued_requests=a.max_queued_requests, max_body_bytes=a.max_body_bytes,
                           data_parallel_size=a.data_parallel_size, log_level="warning",
                           max_prompts_per_request=a.max_prompts_per_request,
-                          max_engine_restarts=a.max_engine_restarts, max_stream_backlog=a.max_stream_backlog)
+                          max_engine_restarts=a.max_engine_restarts, max_stream_backlog=a.max_stream_backlog,
+                          health_timeout=a.health_timeout)
     markers = tempfile.mkdtemp(prefix="meshserve-fake-")
     factories = [functools.partial(FakeEngine, step_delay=a.step_delay, max_num_seqs=a.max_num_seqs,
                                    max_model_len=a.max_model_len, restart_delay=a.restart_delay,
