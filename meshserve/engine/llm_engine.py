@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import sys
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -24,6 +24,7 @@ from meshserve.engine.reservations import LeaseDesk
 from meshserve.engine.scheduler import Scheduler, SchedulerOutput
 from meshserve.engine.sequence import Sequence, SequenceStatus
 from meshserve.engine.step_input import build_step_input
+from meshserve.engine.step_thread import make_step_thread
 from meshserve.engine.step_timeline import StepTimeline
 from meshserve.kv_transfer.connector import KVConnector, make_connector
 from meshserve.models.loader import resolve_model
@@ -90,7 +91,7 @@ class LLMEngine(CallAnswers):
         self.last_step_compute_s = self.last_step_comm_s = 0.0
         self.timeline = StepTimeline(config.step_trace)
         # Async scheduling: the next step runs on this thread while the engine renders the last one.
-        self._step_thread = ThreadPoolExecutor(1, "meshserve-step") if config.async_scheduling else None
+        self._step_thread = make_step_thread() if config.async_scheduling else None
         self._inflight: tuple[SchedulerOutput, Future[StepResult], float, dict[str, float]] | None = None
         # The ranks' timing and expert counts as of the last step (get_stats must not read them mid-step).
         self._executor_stats: tuple[dict[str, Any], dict[str, Any]] = ({}, {})
