@@ -5,6 +5,7 @@ import argparse
 from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING
 
+from meshserve.kv_transfer import KV_ROLES, TRANSPORTS
 from meshserve.utils.checks import check_positive_int, check_range
 from meshserve.utils.cli_fields import add_flags, flag, values_for
 from meshserve.utils.cpuinfo import cpu_flags
@@ -86,10 +87,10 @@ class EngineConfig:
                                         "sequences decoding, context tokens and the time of each phase",
                                   metavar="FILE")
     kv_role: str = flag("both", "prefill|decode: this engine's side of a disaggregated KV hand-off (both: the "
-                                "colocated engine)", choices=("both", "prefill", "decode"))
+                                "colocated engine)", choices=KV_ROLES)
     kv_transport: str = flag("tcp", "how K/V travel between a prefill and a decode engine (tcp between any hosts; "
                                     "pg: torch.distributed, NCCL between GPUs; inproc: one process)",
-                             choices=("tcp", "pg", "inproc"))
+                             choices=TRANSPORTS)
     kv_host: str = flag("127.0.0.1", "the address a decode engine receives K/V on")
     kv_port: int = flag(0, "the port a decode engine receives K/V on (0: any free port)")
     async_scheduling: bool = flag(False, "schedule and launch the next step while the current one runs, rendering "
@@ -125,8 +126,10 @@ class EngineConfig:
         if self.distributed_executor_backend not in ("mp", "ray"):
             raise ValueError("distributed_executor_backend must be 'mp' or 'ray', "
                              f"got {self.distributed_executor_backend!r}")
-        if self.kv_role not in ("both", "prefill", "decode"):
-            raise ValueError(f"kv_role must be both, prefill or decode, got {self.kv_role!r}")
+        if self.kv_role not in KV_ROLES:
+            raise ValueError(f"kv_role must be one of {', '.join(KV_ROLES)}, got {self.kv_role!r}")
+        if self.kv_transport not in TRANSPORTS:
+            raise ValueError(f"kv_transport must be one of {', '.join(TRANSPORTS)}, got {self.kv_transport!r}")
         check_range("kv_port", self.kv_port, 0, 65535, integer=True)
         if self.async_scheduling and self.kv_role != "both":
             raise ValueError("async_scheduling does not combine with a kv_role: a hand-off reads the KV cache "

@@ -26,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from meshserve.kv_transfer import KV_ROLES
 from meshserve.kv_transfer.descriptor import KVLayout, TransferDescriptor, check_compatible
 from meshserve.kv_transfer.receiver import Incoming, KVReceiver
 from meshserve.kv_transfer.sender import KVSender, SendResult
@@ -40,7 +41,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("meshserve")
 
-KV_ROLES = ("both", "prefill", "decode")
 LEASE_LOOK_S = 0.5  # how often an idle engine looks at the leases of transfers in flight
 
 

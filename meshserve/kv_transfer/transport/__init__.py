@@ -7,14 +7,13 @@ decode engine's receiver, and how its answers come back (base.py has the contrac
 """
 from __future__ import annotations
 
+from meshserve.kv_transfer import TRANSPORTS
 from meshserve.kv_transfer.transport.base import (
     KVTransport,
     ReceiverHandler,
     TransferRejected,
     TransferUnreachable,
 )
-
-TRANSPORTS = ("inproc", "tcp", "pg")
 
 
 def make_transport(name: str) -> KVTransport:
