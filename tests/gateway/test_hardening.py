@@ -146,7 +146,10 @@ def test_many_prompts_are_refused_before_tokenizing_and_tokenized_a_few_at_a_tim
 
 def test_a_replica_that_fails_requests_while_its_health_passes_opens_its_breaker(fleet):
     with FakeReplica(Behaviour(completion=500)) as fake, FakeReplica() as sound:
-        gateway = fleet.gateway("--breaker-failures", "3", backends=[fake.url, sound.url])
+        # round robin: the failing replica is every request's first choice until its breaker opens
+        # (cache-aware routing breaks ties at random, and might send it fewer than three)
+        gateway = fleet.gateway("--breaker-failures", "3", "--policy", "round_robin",
+                                backends=[fake.url, sound.url])
         try:
             async def scenario():
                 async with session() as s:
