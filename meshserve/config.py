@@ -19,6 +19,9 @@ CPU_DEFAULT_KV_BYTES = 4 << 30  # like vLLM's CPU backend: 4 GiB unless told oth
 # On a CPU a prefill is compute-bound from ~128 rows: more prompt tokens in a step with running
 # decodes buy no throughput, only a longer stall of every stream and of the first prompt's token.
 CPU_PREFILL_CHUNK_WITH_DECODES = 256
+# Half a decode step more per step that takes prompt work: streams keep a steady pace while a
+# prompt is prefilled beside them, in chunks the engine's own step times size.
+CPU_DECODE_STALL_RATIO = 1.5
 LOAD_FORMATS = ("auto", "dummy")
 # vLLM's names. None: what the checkpoint says (a GGUF file's blocks, an fp8 checkpoint's
 # quantization_config), else the compute dtype.
@@ -46,7 +49,8 @@ class EngineConfig:
     model: str | None = "default"
     served_model_name: str | None = None
     tokenizer: str | None = flag(None, "HF tokenizer directory, if not the model's own")
-    dtype: str = flag("auto", "auto (bf16 on GPUs that support it, else float16; float32 on CPU), float32, "
+    dtype: str = flag("auto", "auto (bf16 on GPUs that support it, else float16; on CPU bf16 for float weights where "
+                              "the CPU has AVX512-BF16 or AMX, else float32), float32, "
                               "bfloat16, float16")
     device: str = flag("auto", choices=("auto", "cpu", "cuda"))
     load_format: str = flag("auto", choices=LOAD_FORMATS)
@@ -70,6 +74,12 @@ class EngineConfig:
         None, "while sequences decode, new prompts join a step at most N tokens at a time (lower inter-token "
               "latency for running streams, later first tokens for long prompts; 0: no cap; default: `serve` "
               f"on a CPU {CPU_PREFILL_CHUNK_WITH_DECODES}, otherwise no cap)", type=int, metavar="N")
+    # None: `meshserve serve` on a CPU takes CPU_DECODE_STALL_RATIO (serving_defaults).
+    decode_stall_ratio: float | None = flag(
+        None, "while sequences decode, a step's prompt work is sized so that the step takes at most R times a "
+              "decode-only step, as predicted by a step-cost model fitted on the engine's own steps (bounds "
+              "inter-token gaps; 0: off, only --prefill-chunk-with-decodes caps; default: `serve` on a CPU "
+              f"{CPU_DECODE_STALL_RATIO}, otherwise off)", type=float, metavar="R")
     kv_cache_memory_bytes: int | None = flag(None, "KV cache budget per rank, e.g. 2GiB or 500000000",
                                              name="--kv-cache-memory", type=parse_bytes, metavar="BYTES")
     gpu_memory_utilization: float = flag(0.9)
@@ -122,6 +132,10 @@ class EngineConfig:
         if self.prefill_chunk_with_decodes is not None:
             check_range("prefill_chunk_with_decodes", self.prefill_chunk_with_decodes, 0, integer=True,
                         hint=" (a token count; 0: no cap)")
+        ratio = self.decode_stall_ratio
+        # Below 1 no step with prompt work could fit: a budget smaller than the decodes alone.
+        if ratio is not None and (ratio != 0 or isinstance(ratio, bool)):
+            check_range("decode_stall_ratio", ratio, 1.0, hint=" (or 0: off)")
         check_range("gpu_memory_utilization", self.gpu_memory_utilization, 0.0, 1.0, lo_open=True)
         if self.distributed_executor_backend not in ("mp", "ray"):
             raise ValueError("distributed_executor_backend must be 'mp' or 'ray', "
@@ -158,16 +172,20 @@ class EngineConfig:
         if self.dtype != "auto":
             return getattr(torch, self.dtype), "set by dtype"
         device = self.resolved_device()
-        name, why = auto_dtype(device.type, device.type == "cuda" and _cuda_bf16_supported(device))
+        quantized = self.quantization not in (None, "none")  # resolved from the model by the engine
+        name, why = auto_dtype(device.type, device.type == "cuda" and _cuda_bf16_supported(device), quantized)
         return getattr(torch, name), why
 
     def serving_defaults(self) -> EngineConfig:
         """A served engine's defaults where the setting is left open: on a CPU, prompts join
-        running decodes at most CPU_PREFILL_CHUNK_WITH_DECODES tokens at a time (a GPU's prefill
-        gains from larger batches, and an offline batch from fewer, fuller steps: no cap there)."""
-        if self.prefill_chunk_with_decodes is None and self.resolved_device().type == "cpu":
-            return replace(self, prefill_chunk_with_decodes=CPU_PREFILL_CHUNK_WITH_DECODES)
-        return self
+        running decodes at most CPU_PREFILL_CHUNK_WITH_DECODES tokens at a time, and no more than
+        keep a step within CPU_DECODE_STALL_RATIO decode-only steps (a GPU's prefill gains from
+        larger batches, and an offline batch from fewer, fuller steps: no cap there)."""
+        if self.resolved_device().type != "cpu":
+            return self
+        chunk, ratio = self.prefill_chunk_with_decodes, self.decode_stall_ratio
+        return replace(self, prefill_chunk_with_decodes=CPU_PREFILL_CHUNK_WITH_DECODES if chunk is None else chunk,
+                       decode_stall_ratio=CPU_DECODE_STALL_RATIO if ratio is None else ratio)
 
     def batched_token_budget(self, max_model_len: int) -> int:
         """Tokens one step may compute: max_num_batched_tokens, or 2048 (with chunked prefill) /
@@ -193,21 +211,31 @@ class EngineConfig:
         return cls(**values_for(cls, args))
 
 
-def auto_dtype(device_type: str, bf16_supported: bool) -> tuple[str, str]:
-    """What dtype='auto' means on a device, and why."""
+def auto_dtype(device_type: str, bf16_supported: bool, quantized: bool = False) -> tuple[str, str]:
+    """What dtype='auto' means on a device (for float weights, or `quantized` ones), and why."""
     if device_type != "cuda":
-        if cpu_has_amx_bf16():
-            return "float32", ("auto on CPU; this CPU has AMX, where --dtype bfloat16 runs the matmuls several "
-                               "times faster")
-        return "float32", "auto on CPU: bf16 matmuls are slow there without AMX"
+        if quantized:
+            return "float32", ("auto on CPU with quantized weights: float32 activations (the integer kernels round "
+                               "them to int8 either way, and float32 prefills faster around them)")
+        isa = cpu_bf16_matmul_isa()
+        if isa:
+            return "bfloat16", (f"auto on CPU: this CPU multiplies bfloat16 natively ({isa}): half the bytes per "
+                                "decode step, and oneDNN's bfloat16 GEMMs outrun float32's")
+        return "float32", "auto on CPU: without AVX512-BF16 or AMX, bfloat16 matmuls run slower than float32"
     if bf16_supported:
         return "bfloat16", "auto on a GPU with native bf16: fp32's range at half the bytes"
     return "float16", "auto on a GPU without native bf16 (before Ampere): float16"
 
 
-def cpu_has_amx_bf16() -> bool:
-    """The CPU multiplies bfloat16 matrices on AMX tiles (Sapphire Rapids and later, on Linux)."""
-    return "amx_bf16" in cpu_flags()
+def cpu_bf16_matmul_isa() -> str | None:
+    """The instructions this CPU multiplies bfloat16 with ("AMX" or "AVX512-BF16"), or None. oneDNN
+    packs bfloat16 weights for AVX512-BF16 only with AVX-512 BW and VL beside it."""
+    flags = cpu_flags()
+    if "amx_bf16" in flags:
+        return "AMX"
+    if {"avx512_bf16", "avx512bw", "avx512vl"} <= flags:
+        return "AVX512-BF16"
+    return None
 
 
 def _cuda_bf16_supported(device: torch.device) -> bool:

@@ -23,6 +23,7 @@ from meshserve.engine.output import EngineRequest
 from meshserve.engine.reservations import LeaseDesk
 from meshserve.engine.scheduler import Scheduler, SchedulerOutput
 from meshserve.engine.sequence import Sequence, SequenceStatus
+from meshserve.engine.step_cost import StepCostModel
 from meshserve.engine.step_input import build_step_input
 from meshserve.engine.step_thread import make_step_thread
 from meshserve.engine.step_timeline import StepTimeline
@@ -79,8 +80,10 @@ class LLMEngine(CallAnswers):
         self.executor.init_kv_cache(num_blocks)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching,
                                           extra_hash_key=self.source.revision)
+        self.step_cost = StepCostModel() if config.decode_stall_ratio else None
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, self.max_num_batched_tokens,
-                                   config.enable_chunked_prefill, config.prefill_chunk_with_decodes or None)
+                                   config.enable_chunked_prefill, config.prefill_chunk_with_decodes or None,
+                                   self.step_cost, config.decode_stall_ratio)
         self.requests: dict[str, EngineRequest] = {}
         self._ended_between_steps: list[RequestDelta] = []
         self.desk = LeaseDesk(self.block_manager, self.max_model_len, lambda rid: rid in self.requests)
@@ -251,9 +254,11 @@ class LLMEngine(CallAnswers):
             self._inflight = self._launch()
         deltas = self._deltas(touched)
         sample_s = max((t.sample_s for t in result.rank_timings), default=0.0)
+        shape = _step_shape(sched) if self.step_cost or self.config.step_trace else None
+        if self.step_cost and shape:
+            self.step_cost.observe(shape, t3 - t2)
         self.timeline.record({**phases, "forward": t3 - t2 - sample_s, "sample": sample_s,
-                              "output": time.perf_counter() - t3},
-                             now, _step_shape(sched) if self.config.step_trace else None)
+                              "output": time.perf_counter() - t3}, now, shape if self.config.step_trace else None)
         return deltas
 
     def _launch(self) -> tuple[SchedulerOutput, Future[StepResult], float, dict[str, float]] | None:

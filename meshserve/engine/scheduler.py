@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from meshserve.engine.block_manager import BlockManager
 from meshserve.engine.sequence import Sequence, SequenceStatus
+from meshserve.engine.step_cost import StepCostModel
 
 
 @dataclass
@@ -48,12 +49,15 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 enable_chunked_prefill: bool = True, prefill_chunk_with_decodes: int | None = None):
+                 enable_chunked_prefill: bool = True, prefill_chunk_with_decodes: int | None = None,
+                 step_cost: StepCostModel | None = None, decode_stall_ratio: float | None = None):
         self.bm = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
         self.prefill_chunk_with_decodes = prefill_chunk_with_decodes
+        self.step_cost = step_cost
+        self.decode_stall_ratio = decode_stall_ratio
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -143,24 +147,38 @@ class Scheduler:
         return None
 
     def _prefill_allowance(self) -> int:
-        """Prompt tokens this step may compute. With a cap set and sequences decoding, prompts join
-        the step at most `prefill_chunk_with_decodes` tokens at a time, so that a long prompt is
-        spread over several steps instead of stalling every running stream for one long step. A
-        backlog of more prompt tokens than one step takes is cleared in full steps: trickling it in
-        would lengthen every queued prompt's wait and the streams would stall as long overall.
-        Uncapped, the allowance is the whole step's token budget, which bounds prompt tokens anyway."""
+        """Prompt tokens this step may compute. While sequences decode, prompts join the step at most
+        `prefill_chunk_with_decodes` tokens at a time and, with `decode_stall_ratio` R and a fitted
+        step-cost model, only as many as keep the step within R times a decode-only step (never fewer
+        than a block's worth, so prompts always progress): a long prompt is spread over several steps
+        instead of stalling every running stream for one long step. A backlog of more prompt tokens
+        than one step takes is cleared in full steps: trickling it in would lengthen every queued
+        prompt's wait and the streams would stall as long overall. Otherwise the allowance is the
+        whole step's token budget, which bounds prompt tokens anyway."""
         uncapped = self.max_num_batched_tokens
-        cap = self.prefill_chunk_with_decodes
-        if cap is None or not self.enable_chunked_prefill:
+        if not (self.prefill_chunk_with_decodes or self.decode_stall_ratio) or not self.enable_chunked_prefill:
             return uncapped
-        if not any(s.num_tokens - s.num_computed_tokens == 1 for s in self.running):
+        decoding = [s for s in self.running if s.num_tokens - s.num_computed_tokens == 1]
+        if not decoding:
             return uncapped
         backlog = 0
         for seq in self.waiting:  # stops at one step's worth: a long queue costs no more
             backlog += seq.num_tokens - seq.num_computed_tokens
             if backlog > self.max_num_batched_tokens:
                 return uncapped
-        return cap
+        return min(self.prefill_chunk_with_decodes or uncapped, self._within_stall_budget(decoding))
+
+    def _within_stall_budget(self, decoding: list[Sequence]) -> int:
+        """Prompt tokens predicted to fit beside `decoding` in decode_stall_ratio x a decode-only step."""
+        model, ratio = self.step_cost, self.decode_stall_ratio
+        if model is None or not ratio or not model.ready:
+            return self.max_num_batched_tokens
+        context = sum(s.num_tokens for s in decoding)
+        # A prompt part-way through its prefill attends to its earlier chunks as well.
+        prefilled = sum(s.num_computed_tokens for s in self.running if s.num_tokens - s.num_computed_tokens > 1)
+        decode_only_s = model.predict(0, len(decoding), context)
+        fits = model.prompt_tokens_within(ratio * decode_only_s, len(decoding), context + prefilled)
+        return max(self.bm.block_size, fits)
 
     def _preempt(self, seq: Sequence) -> None:
         self.bm.free(seq)

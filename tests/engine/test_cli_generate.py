@@ -33,13 +33,21 @@ def test_device_defaults(monkeypatch):
     from meshserve import config
     from meshserve.config import EngineConfig
 
-    if not torch.cuda.is_available():
-        assert EngineConfig().dtype_choice() == (torch.float32, config.auto_dtype("cpu", False)[1])
-    # auto stays float32 on a CPU; with AMX the start-up log points at the faster setting.
-    for amx in (True, False):
-        monkeypatch.setattr(config, "cpu_has_amx_bf16", lambda amx=amx: amx)
+    # On a CPU, float weights compute in bfloat16 where the CPU multiplies it natively (with
+    # AVX-512 BW/VL beside AVX512-BF16, which oneDNN needs to pack it), else in float32; quantized
+    # weights keep float32 activations whatever the CPU.
+    cases = [({"amx_bf16", "avx512_bf16", "avx512bw", "avx512vl"}, "bfloat16", "AMX"),
+             ({"avx512_bf16", "avx512bw", "avx512vl", "avx512f"}, "bfloat16", "AVX512-BF16"),
+             ({"avx512_bf16", "avx512f"}, "float32", "without AVX512-BF16"),
+             ({"avx2", "fma"}, "float32", "without AVX512-BF16")]
+    for flags, expected, reason in cases:
+        monkeypatch.setattr(config, "cpu_flags", lambda flags=flags: flags)
         name, why = config.auto_dtype("cpu", False)
-        assert name == "float32" and ("--dtype bfloat16" in why) == amx
+        assert (name, reason in why) == (expected, True), (flags, name, why)
+        assert config.auto_dtype("cpu", False, quantized=True)[0] == "float32"
+        chosen = EngineConfig(device="cpu", quantization="none").dtype_choice()
+        assert chosen == (getattr(torch, expected), why)
+        assert EngineConfig(device="cpu", quantization="gguf").resolved_dtype() == torch.float32
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     cfg = EngineConfig()
     monkeypatch.setattr(config, "_cuda_bf16_supported", lambda device: True)

@@ -225,7 +225,8 @@ def greedy_runs():
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     runs = {}
     for kv in ("auto", "fp8"):
-        llm = LLM(kv_cache_dtype=kv, quantization="none", max_model_len=256, kv_cache_memory_bytes=BUDGET)
+        llm = LLM(kv_cache_dtype=kv, quantization="none", dtype="float32", max_model_len=256,
+                  kv_cache_memory_bytes=BUDGET)
         try:
             outs = llm.generate(PROMPTS, params)
             again = llm.generate(PROMPTS[-1:], params)[0]  # its prompt's full blocks are cached now
@@ -249,7 +250,8 @@ def teacher_forced(greedy_runs):
     texts = [(o.prompt_token_ids + o.outputs[0].token_ids, len(o.prompt_token_ids)) for o in greedy_runs["auto"][0]]
     scores = {}
     for kv in ("auto", "fp8", "fp8_e5m2"):
-        runner = load_runner(EngineConfig(device="cpu", kv_cache_dtype=kv, quantization="none"), len(ids))
+        runner = load_runner(EngineConfig(device="cpu", kv_cache_dtype=kv, quantization="none", dtype="float32"),
+                             len(ids))
         assert runner.kv_dtype == kv_cache_dtype(kv, runner.dtype)
         scores[kv] = ([greedy_agreement(runner, text, start, 16) for text, start in texts],
                       perplexity(runner, ids, chunk_tokens=32))

@@ -39,7 +39,8 @@ def mixed_gguf(tmp_path_factory) -> Path:
 
 
 def _runner(model: str, **engine):
-    return load_runner(EngineConfig(model=model, device="cpu", **engine), 256)
+    # float32 unless a test says otherwise: the dequantized weights' products are the reference
+    return load_runner(EngineConfig(model=model, device="cpu", **{"dtype": "float32", **engine}), 256)
 
 
 def test_gguf_keeps_the_files_blocks_as_stored(mixed_gguf):
@@ -75,7 +76,7 @@ def test_gguf_scores_as_the_dequantized_weights(mixed_gguf, chunk, float_activat
 def test_gguf_greedy_over_tensor_parallel_ranks(tmp_path):
     path = str(write_tiny_gguf(tmp_path / "peaked.gguf", MIXED, peaked=True))
     one = greedy(path, PROMPTS, 12)
-    assert one == greedy(path, PROMPTS, 12, quantization="none")
+    assert one == greedy(path, PROMPTS, 12, quantization="none", dtype="float32")
     assert one == greedy(path, PROMPTS, 12, tensor_parallel_size=2)
 
 

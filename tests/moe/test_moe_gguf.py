@@ -123,7 +123,7 @@ def test_quantized_experts_are_served_as_stored(tmp_path, family):
     assert experts and all(m.quant is not None and m.w13.numel() == 0 for m in experts)
     assert {s.blocks.block_type for m in experts for pair in m.quant for q in pair for s in q.segments} == {
         BlockType.Q8_0}
-    dense = load_runner(EngineConfig(model=path, device="cpu", quantization="none"), 128)
+    dense = load_runner(EngineConfig(model=path, device="cpu", quantization="none", dtype="float32"), 128)
     ids = [t % VOCAB for t in range(5, 70, 3)]
     previous = cpu_kernels.set_quant_isa("float")
     try:

@@ -44,10 +44,11 @@ def stack():
     # batch does, and only those weights answer the same however a step is batched (the GGUF
     # blocks' decode rows round activations to int8, prompt rows do not: docs/quantization.md).
     server = ServerProcess(["-m", "meshserve", "serve", "--max-model-len", str(MAX_MODEL_LEN), "--quantization", "none",
-                            "--kv-cache-memory", str(KV_BYTES), "--max-num-seqs", "32",
+                            "--dtype", "float32", "--kv-cache-memory", str(KV_BYTES), "--max-num-seqs", "32",
                             "--max-body-bytes", str(MAX_BODY), "--log-level", "warning"], wait=False)
     try:
-        llm = LLM(max_model_len=MAX_MODEL_LEN, kv_cache_memory_bytes=KV_BYTES, max_num_seqs=32, quantization="none")
+        llm = LLM(max_model_len=MAX_MODEL_LEN, kv_cache_memory_bytes=KV_BYTES, max_num_seqs=32, quantization="none",
+                  dtype="float32")
         prompts = [PROMPT, *CONCURRENT_PROMPTS]
         expected = {p: o.outputs[0].text for p, o in zip(prompts, llm.generate(prompts, GREEDY))}
         expected["chat"] = llm.chat(MESSAGES, GREEDY)[0].outputs[0].text

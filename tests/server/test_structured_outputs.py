@@ -47,7 +47,7 @@ def server():
     resolve_model("default")
     # Float32 weights, whose outputs do not depend on how a step is batched (docs/quantization.md).
     s = ServerProcess(["-m", "meshserve", "serve", "--max-model-len", "1024", "--kv-cache-memory", "100000000",
-                       "--quantization", "none", "--log-level", "warning"], startup_timeout=300)
+                       "--quantization", "none", "--dtype", "float32", "--log-level", "warning"], startup_timeout=300)
     yield s
     s.stop()
 
