@@ -19,9 +19,6 @@ CPU_DEFAULT_KV_BYTES = 4 << 30  # like vLLM's CPU backend: 4 GiB unless told oth
 # On a CPU a prefill is compute-bound from ~128 rows: more prompt tokens in a step with running
 # decodes buy no throughput, only a longer stall of every stream and of the first prompt's token.
 CPU_PREFILL_CHUNK_WITH_DECODES = 256
-# Half a decode step more per step that takes prompt work: streams keep a steady pace while a
-# prompt is prefilled beside them, in chunks the engine's own step times size.
-CPU_DECODE_STALL_RATIO = 1.5
 LOAD_FORMATS = ("auto", "dummy")
 # vLLM's names. None: what the checkpoint says (a GGUF file's blocks, an fp8 checkpoint's
 # quantization_config), else the compute dtype.
@@ -74,12 +71,11 @@ class EngineConfig:
         None, "while sequences decode, new prompts join a step at most N tokens at a time (lower inter-token "
               "latency for running streams, later first tokens for long prompts; 0: no cap; default: `serve` "
               f"on a CPU {CPU_PREFILL_CHUNK_WITH_DECODES}, otherwise no cap)", type=int, metavar="N")
-    # None: `meshserve serve` on a CPU takes CPU_DECODE_STALL_RATIO (serving_defaults).
+    # Off by default: at 0.5-1 req/s on a 2-core CPU, 1.5 quadrupled TTFT p50 (docs/performance.md).
     decode_stall_ratio: float | None = flag(
         None, "while sequences decode, a step's prompt work is sized so that the step takes at most R times a "
               "decode-only step, as predicted by a step-cost model fitted on the engine's own steps (bounds "
-              "inter-token gaps; 0: off, only --prefill-chunk-with-decodes caps; default: `serve` on a CPU "
-              f"{CPU_DECODE_STALL_RATIO}, otherwise off)", type=float, metavar="R")
+              "inter-token gaps at the cost of later first tokens; 0 or unset: off)", type=float, metavar="R")
     kv_cache_memory_bytes: int | None = flag(None, "KV cache budget per rank, e.g. 2GiB or 500000000",
                                              name="--kv-cache-memory", type=parse_bytes, metavar="BYTES")
     gpu_memory_utilization: float = flag(0.9)
@@ -178,14 +174,11 @@ class EngineConfig:
 
     def serving_defaults(self) -> EngineConfig:
         """A served engine's defaults where the setting is left open: on a CPU, prompts join
-        running decodes at most CPU_PREFILL_CHUNK_WITH_DECODES tokens at a time, and no more than
-        keep a step within CPU_DECODE_STALL_RATIO decode-only steps (a GPU's prefill gains from
-        larger batches, and an offline batch from fewer, fuller steps: no cap there)."""
-        if self.resolved_device().type != "cpu":
-            return self
-        chunk, ratio = self.prefill_chunk_with_decodes, self.decode_stall_ratio
-        return replace(self, prefill_chunk_with_decodes=CPU_PREFILL_CHUNK_WITH_DECODES if chunk is None else chunk,
-                       decode_stall_ratio=CPU_DECODE_STALL_RATIO if ratio is None else ratio)
+        running decodes at most CPU_PREFILL_CHUNK_WITH_DECODES tokens at a time (a GPU's prefill
+        gains from larger batches, and an offline batch from fewer, fuller steps: no cap there)."""
+        if self.prefill_chunk_with_decodes is None and self.resolved_device().type == "cpu":
+            return replace(self, prefill_chunk_with_decodes=CPU_PREFILL_CHUNK_WITH_DECODES)
+        return self
 
     def batched_token_budget(self, max_model_len: int) -> int:
         """Tokens one step may compute: max_num_batched_tokens, or 2048 (with chunked prefill) /

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from meshserve.config import CPU_DECODE_STALL_RATIO, EngineConfig
+from meshserve.config import EngineConfig
 from meshserve.engine.block_manager import BlockManager
 from meshserve.engine.scheduler import Scheduler
 from meshserve.engine.sequence import Sequence
@@ -14,6 +14,8 @@ from meshserve.engine.step_cost import StepCostModel
 from meshserve.sampling_params import SamplingParams
 
 TRUE = (0.004, 2e-4, 1e-3, 1e-6)  # a (s per step), b (per prompt token), c (per decode), d (per context token)
+
+RATIO = 1.5
 
 
 def _seconds(coef, prompt, decodes, context) -> float:
@@ -149,13 +151,13 @@ def test_prompt_chunks_beside_decodes_fit_the_stall_budget():
 
 def test_costly_prompt_tokens_still_progress_a_block_a_step():
     coef = (0.01, 5e-3, 2e-3, 1e-6)  # one prompt token costs more than the whole spare budget
-    sched, long = _scheduler(_trained(coef), CPU_DECODE_STALL_RATIO)
+    sched, long = _scheduler(_trained(coef), RATIO)
     assert [_prompt_chunk(sched, long) for _ in range(3)] == [BLOCK] * 3
 
 
 def test_cheap_prompt_tokens_stay_within_the_fixed_cap():
     coef = (0.01, 1e-7, 2e-3, 0.0)
-    sched, long = _scheduler(_trained(coef), CPU_DECODE_STALL_RATIO)
+    sched, long = _scheduler(_trained(coef), RATIO)
     assert _prompt_chunk(sched, long) == CAP
 
 
@@ -166,17 +168,17 @@ def test_with_the_ratio_off_the_fixed_cap_applies(ratio):
 
 
 def test_an_unready_model_leaves_the_fixed_cap():
-    sched, long = _scheduler(StepCostModel(), CPU_DECODE_STALL_RATIO)
+    sched, long = _scheduler(StepCostModel(), RATIO)
     assert _prompt_chunk(sched, long) == CAP
 
 
 def test_without_decodes_the_prompt_is_not_limited_by_the_budget():
-    sched, long = _scheduler(_trained((0.01, 5e-3, 2e-3, 1e-6)), CPU_DECODE_STALL_RATIO, decodes=0)
+    sched, long = _scheduler(_trained((0.01, 5e-3, 2e-3, 1e-6)), RATIO, decodes=0)
     assert _prompt_chunk(sched, long) == 400
 
 
 def test_a_backlog_beyond_one_step_is_still_cleared_in_full_steps():
-    sched, long = _scheduler(_trained((0.01, 5e-3, 2e-3, 1e-6)), CPU_DECODE_STALL_RATIO, prompt_len=600)
+    sched, long = _scheduler(_trained((0.01, 5e-3, 2e-3, 1e-6)), RATIO, prompt_len=600)
     assert _prompt_chunk(sched, long) == BUDGET - 2  # the step's whole budget beside the two decodes
 
 
@@ -188,10 +190,9 @@ def test_a_ratio_between_off_and_one_is_refused(bad):
         EngineConfig(model="x", decode_stall_ratio=bad)
 
 
-def test_a_cpu_server_defaults_to_the_cpu_ratio_and_keeps_an_explicit_one():
+def test_the_ratio_is_off_unless_asked_for_and_a_server_keeps_an_explicit_one():
     cpu = EngineConfig(model="x", device="cpu")
-    assert cpu.decode_stall_ratio is None  # offline: off
-    assert cpu.serving_defaults().decode_stall_ratio == CPU_DECODE_STALL_RATIO == 1.5
+    assert cpu.decode_stall_ratio is None and cpu.serving_defaults().decode_stall_ratio is None
     assert EngineConfig(model="x", device="cpu", decode_stall_ratio=0).serving_defaults().decode_stall_ratio == 0
     assert EngineConfig(model="x", device="cpu", decode_stall_ratio=3).serving_defaults().decode_stall_ratio == 3
 
