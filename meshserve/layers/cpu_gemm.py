@@ -1,9 +1,13 @@
 """CPU matmuls: the C++ GEMV for a few rows, then oneDNN with weights packed once at load time
 (float32 for small batches, bfloat16 for every batch), then MKL.
 
-Up to GEMV_MAX_ROWS rows (decode steps of a few sequences) a linear layer streams its weight from
-memory once; the C++ GEMV (csrc/gemv.cpp) reads it as stored, in float32 or bfloat16, at the
-memory's pace, where MKL and oneDNN spend more on per-call packing and set-up than on the stream.
+Up to a few rows (decode steps of a few sequences) a linear layer streams its weight from memory
+once; the C++ GEMV (csrc/gemv.cpp) reads it as stored, in float32 or bfloat16, at the memory's
+pace, where MKL and oneDNN spend more on per-call packing and set-up than on the stream. As rows
+are added the GEMV turns compute-bound sooner than oneDNN's blocked kernel on the packed weight
+(its sums run along K and end in a horizontal add per output), so a packed dtype hands over to
+oneDNN at the crossover measured by benchmarks/small_m_gemm.py (GEMV_MAX_ROWS_BESIDE_PACKED); a
+dtype that is not packed here keeps the GEMV to its limit (cpu_kernels.GEMV_MAX_ROWS).
 
 From there on MKL's sgemm, which `F.linear` calls, packs panels of the weight on every call, work
 that a few dozen rows cannot amortise; oneDNN reads a weight packed once into its own blocked
@@ -44,6 +48,12 @@ BF16_ROW_MULTIPLE = 16
 
 
 _NO_ROWS = (1, 0)
+# Where the GEMV runs its AVX-512 path beside a packed weight, the most rows for which it beats
+# oneDNN on SmolLM2's decoder shapes, both cores (benchmarks/small_m_gemm.py on a Zen 4 EPYC:
+# float32 GEMV/oneDNN time 0.65 at 2 rows, 1.03 at 3, 1.15 at 4; bfloat16 0.80 at 4, 0.98 at 6,
+# 1.35 at 8). Float32 packed matmuls start at PACKED_MIN_ROWS = 4, the row after. On the AVX2 path
+# oneDNN's float32 kernels are narrower too and the GEMV won to 16 rows (a Zen 3 EPYC).
+GEMV_MAX_ROWS_BESIDE_PACKED = {torch.float32: 3, torch.bfloat16: 6}
 
 
 def packs(dtype: torch.dtype) -> bool:
@@ -68,12 +78,16 @@ def packed_rows(dtype: torch.dtype, min_rows: int = PACKED_MIN_ROWS) -> tuple[in
 
 def gemv_max_rows(dtype: torch.dtype) -> int:
     """Up to this many rows a matmul with a CPU weight of this dtype streams the weight through the
-    C++ GEMV (csrc/gemv.cpp) instead of MKL or oneDNN: faster at every row count up to its limit
-    on SmolLM2's shapes, in float32 and bfloat16 (benchmarks/decode_batch1.py). 0: not here, or
-    MESHSERVE_DISABLE_GEMV=1 (the benchmark's baseline)."""
+    C++ GEMV (csrc/gemv.cpp) instead of MKL or oneDNN: to the measured crossover with oneDNN where
+    the dtype is packed and the GEMV runs its AVX-512 path, else to the GEMV's limit. 0: not here,
+    or MESHSERVE_DISABLE_GEMV=1 (the benchmarks' baseline)."""
     usable = (dtype in cpu_kernels.DTYPES and os.environ.get("MESHSERVE_DISABLE_GEMV") != "1"
               and cpu_kernels.available())
-    return cpu_kernels.GEMV_MAX_ROWS if usable else 0
+    if not usable:
+        return 0
+    if packs(dtype) and cpu_kernels.gemv_isa() == "avx512":
+        return GEMV_MAX_ROWS_BESIDE_PACKED[dtype]
+    return cpu_kernels.GEMV_MAX_ROWS
 
 
 def _enabled(weight: torch.Tensor) -> bool:

@@ -310,10 +310,10 @@ def _gemv_row_counts():
         yield calls
 
 
-@pytest.mark.parametrize("rows", [1, 3, 9, 16, 17, 64, 128, 129, 700])  # GEMV to 16, packed to _MAX_ROWS
+@pytest.mark.parametrize("rows", [1, 3, 4, 9, 16, 17, 64, 128, 129, 700])  # GEMV to 3 or 16, packed to _MAX_ROWS
 @pytest.mark.parametrize("bias,lm_head", [(False, False), (True, False), (False, True)])
-def test_packed_linear_matches_f_linear(rows, bias, lm_head):
-    from meshserve.layers.cpu_gemm import PACKED_MAX_ROWS, gemv_max_rows
+def test_packed_linear_matches_f_linear(rows, bias, lm_head, isa):
+    from meshserve.layers.cpu_gemm import GEMV_MAX_ROWS_BESIDE_PACKED, PACKED_MAX_ROWS, gemv_max_rows
     from meshserve.layers.embedding import ParallelLMHead
     from meshserve.layers.linear import ColumnParallelLinear
 
@@ -327,8 +327,11 @@ def test_packed_linear_matches_f_linear(rows, bias, lm_head):
     x = torch.randn(rows, 96, generator=g)
     with _packed_row_counts() as packed, _gemv_row_counts() as streamed:
         out = lin(x)
-    gemv = rows <= gemv_max_rows(torch.float32)
-    assert gemv_max_rows(torch.float32) == cpu_kernels.GEMV_MAX_ROWS
+    # the GEMV's AVX-512 path hands over to oneDNN at the crossover measured with it, the AVX2 one at its limit
+    avx512 = cpu_kernels.gemv_isa() == "avx512"
+    most = GEMV_MAX_ROWS_BESIDE_PACKED[torch.float32] if avx512 else cpu_kernels.GEMV_MAX_ROWS
+    assert gemv_max_rows(torch.float32) == most
+    gemv = rows <= most
     assert streamed == ([rows] if gemv else [])
     assert packed == ([rows] if not gemv and rows <= PACKED_MAX_ROWS else [])
     torch.testing.assert_close(out, F.linear(x, lin.weight, getattr(lin, "bias", None)), rtol=1e-5, atol=1e-4)
@@ -340,7 +343,7 @@ def _bf16_packing_paths() -> list[bool]:
 
 
 @pytest.mark.parametrize("packing", _bf16_packing_paths())
-@pytest.mark.parametrize("rows", [1, 3, 129, 700])
+@pytest.mark.parametrize("rows", [1, 3, 6, 7, 16, 129, 700])
 def test_bf16_packed_linear_takes_every_row_count(rows, packing, monkeypatch):
     from meshserve.layers import cpu_gemm
     from meshserve.layers.linear import ColumnParallelLinear
@@ -355,16 +358,21 @@ def test_bf16_packed_linear_takes_every_row_count(rows, packing, monkeypatch):
     x = torch.randn(rows, 96, generator=g).bfloat16()
     with _packed_row_counts() as calls, _gemv_row_counts() as streamed:
         out = lin(x)
-    # a few rows stream the weight as stored; oneDNN sees more rows padded to whole AMX tiles (one
-    # primitive per 16 rows, not per row count); a CPU that cannot pack bf16 (AVX2 only) runs F.linear
-    gemv = rows <= cpu_kernels.GEMV_MAX_ROWS
+    # a few rows stream the weight as stored (to the crossover with oneDNN where bf16 packs, else to
+    # the GEMV's limit); oneDNN sees more rows padded to whole AMX tiles (one primitive per 16 rows,
+    # not per row count); a CPU that cannot pack bf16 (AVX2 only) runs F.linear past the GEMV
+    most = cpu_gemm.gemv_max_rows(torch.bfloat16)
+    beside_packed = packing and cpu_kernels.gemv_isa() == "avx512"
+    assert most == (cpu_gemm.GEMV_MAX_ROWS_BESIDE_PACKED[torch.bfloat16] if beside_packed
+                    else cpu_kernels.GEMV_MAX_ROWS)
+    gemv = rows <= most
     assert streamed == ([rows] if gemv else [])
     assert calls == ([-(-rows // 16) * 16] if packing and not gemv else [])
     assert out.dtype == torch.bfloat16 and out.shape == (rows, 200)
     expected = F.linear(x.float(), lin.weight.float(), lin.bias.float())
     torch.testing.assert_close(out.float(), expected, rtol=1e-2, atol=5e-2)
     # a row's result is the same whatever else shares its step (the rows of one path, padded or not)
-    width = 1 if gemv else cpu_kernels.GEMV_MAX_ROWS + 1
+    width = 1 if gemv else most + 1
     alone = torch.cat([lin(x[i:i + width])[:1] for i in range(min(rows - width + 1, 20))])
     assert torch.equal(alone, out[:len(alone)])
 
@@ -391,10 +399,11 @@ def test_warm_up_builds_the_row_counts_that_steps_bring(tmp_path, dtype):
     if dtype == "float32" or not onednn_packs_bf16():  # unpadded row counts: too many to build ahead
         assert warmed == []
         return
-    # four decoder weight shapes up to 24 + 8 token rows, padded to 32; 16 rows or fewer (the LM head's
-    # 8 sequences among them) take the GEMV
-    assert cpu_kernels.GEMV_MAX_ROWS == 16
-    assert sorted(warmed) == [32] * 4
+    # from the first row past the GEMV's in whole tiles of 16: four decoder weight shapes up to 24 + 8
+    # token rows (16 and 32), and the LM head up to its 8 sequences (16)
+    from meshserve.layers.cpu_gemm import gemv_max_rows
+    assert gemv_max_rows(torch.bfloat16) < 8
+    assert sorted(warmed) == [16] * 5 + [32] * 4
     model = runner.model
     model.cpu_stack = None  # the module path, whose matmuls Python sees
     runner.init_kv_cache(64)
