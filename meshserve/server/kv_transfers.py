@@ -17,6 +17,7 @@ from meshserve.api.protocol import KVTransferRequest
 from meshserve.api.sse import JSONBytesResponse
 from meshserve.engine.errors import EngineCallError, EngineDeadError
 from meshserve.engine.messages import KVPrepare
+from meshserve.server.call_errors import lease_call_error
 from meshserve.server.serving import ServingContext
 
 
@@ -28,14 +29,8 @@ def add_kv_transfer_routes(app: FastAPI, ctx: ServingContext) -> None:
         try:
             desc = await ctx.client.calls.kv_prepare(KVPrepare(
                 req.lease_id, req.prompt_token_ids, request.state.key_owner, req.request_id, req.attempt_id))
-        except EngineDeadError as exc:
-            raise APIError(503, str(exc), code="engine_unavailable", headers={"Retry-After": "5"}) from None
-        except EngineCallError as exc:
-            if exc.unsupported:
-                raise APIError(501, str(exc), code="kv_role_unsupported") from None
-            if exc.not_found:
-                raise APIError(404, str(exc), code="reservation_not_found") from None
-            raise APIError(400, str(exc), code="invalid_parameter") from None
+        except (EngineDeadError, EngineCallError) as exc:
+            raise lease_call_error(exc, "kv_role_unsupported") from None
         if desc is None:
             raise APIError(409, "no room for this hand-off now (its reservation or the staging bound)",
                            code="insufficient_kv_capacity", headers={"Retry-After": "1"})

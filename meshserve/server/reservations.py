@@ -17,6 +17,7 @@ from meshserve.api.protocol import ReservationRequest
 from meshserve.api.sse import JSONBytesResponse
 from meshserve.engine.errors import EngineCallError, EngineDeadError
 from meshserve.engine.messages import ReserveRequest
+from meshserve.server.call_errors import lease_call_error
 from meshserve.server.serving import ServingContext
 
 
@@ -34,15 +35,8 @@ def add_reservation_routes(app: FastAPI, ctx: ServingContext) -> None:
             lease = await ctx.client.calls.reserve(ReserveRequest(
                 req.prompt_token_ids, req.max_tokens, req.n, req.ttl_s, req.request_id, req.attempt_id,
                 req.cache_salt or "", request.state.key_owner, config.max_leases_per_key))
-        except EngineDeadError as exc:
-            raise APIError(503, str(exc), code="engine_unavailable", headers={"Retry-After": "5"}) from None
-        except EngineCallError as exc:
-            if exc.unsupported:
-                raise APIError(501, str(exc), code="reservations_unsupported") from None
-            if exc.limit:
-                raise APIError(429, f"{exc} (--max-leases-per-key)", code="too_many_reservations",
-                               headers={"Retry-After": "1"}) from None
-            raise APIError(400, str(exc), code="invalid_parameter") from None
+        except (EngineDeadError, EngineCallError) as exc:
+            raise lease_call_error(exc, "reservations_unsupported") from None
         if lease is None:
             raise APIError(409, "not enough unreserved KV blocks for this request now",
                            code="insufficient_kv_capacity", headers={"Retry-After": "1"})

@@ -2,7 +2,9 @@
 meshserve/kv_transfer/connector.py), with a transport that can break on purpose."""
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -18,6 +20,21 @@ def make_engine(model: str, role: str, transport: str = "inproc", **kw) -> LLMEn
     args = dict(model=model, device="cpu", dtype="float32", kv_role=role, kv_transport=transport,
                 kv_cache_memory_bytes=8 << 20, max_model_len=256, seed=0)
     return LLMEngine(EngineConfig(**{**args, **kw}))
+
+
+@contextlib.contextmanager
+def engine_pair(model: str, prefill_kw: dict | None = None, decode_kw: dict | None = None,
+                ) -> Iterator[tuple[LLMEngine, LLMEngine]]:
+    """A prefill and a decode engine, both shut down when the block ends."""
+    prefill = make_engine(model, "prefill", **(prefill_kw or {}))
+    try:
+        decode = make_engine(model, "decode", **(decode_kw or {}))
+        try:
+            yield prefill, decode
+        finally:
+            decode.shutdown()
+    finally:
+        prefill.shutdown()
 
 
 def step_until(engines: list[LLMEngine], done, timeout_s: float = 60.0) -> dict[str, list[RequestDelta]]:

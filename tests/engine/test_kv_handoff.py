@@ -15,6 +15,7 @@ from tests.engine.kv_handoff_driver import (
     at_baseline,
     break_transport,
     colocated,
+    engine_pair,
     finished,
     handoff,
     make_engine,
@@ -35,16 +36,13 @@ def prompt_of(n: int, seed: int = 0, vocab: int = 49152) -> list[int]:
 
 @pytest.fixture(scope="module")
 def pair(peaked_model):
-    prefill, decode = make_engine(peaked_model, "prefill"), make_engine(peaked_model, "decode")
-    yield prefill, decode
-    prefill.shutdown()
-    decode.shutdown()
+    with engine_pair(peaked_model) as engines:
+        yield engines
 
 
 def test_embedded_model_handoff_equals_colocated():
     big = {"kv_cache_memory_bytes": 64 << 20}
-    prefill, decode = make_engine("default", "prefill", **big), make_engine("default", "decode", **big)
-    try:
+    with engine_pair("default", big, big) as (prefill, decode):
         prompt = decode.tokenizer.encode("Write a short story about a lighthouse keeper who finds a map. " * 6)
         expected = colocated(decode, prompt, 12)
         decode.block_manager.reset_prefix_cache()
@@ -53,9 +51,6 @@ def test_embedded_model_handoff_equals_colocated():
         bs = decode.config.block_size
         assert decode.block_manager.prefix_hits >= (len(prompt) - 1) // bs * bs
         assert at_baseline(decode) and at_baseline(prefill)
-    finally:
-        prefill.shutdown()
-        decode.shutdown()
 
 
 def test_handoff_equals_colocated_and_counts_bytes(pair):
@@ -95,15 +90,10 @@ def test_nothing_to_send_when_decode_caches_the_prompt(pair):
 
 
 def test_tp1_prefill_to_tp2_decode(peaked_model):
-    prefill = make_engine(peaked_model, "prefill")
-    decode = make_engine(peaked_model, "decode", tensor_parallel_size=2)
-    try:
+    with engine_pair(peaked_model, decode_kw={"tensor_parallel_size": 2}) as (prefill, decode):
         prompt = prompt_of(100, seed=5)
         expected = colocated(prefill, prompt, 12, rid="ref")  # the TP=1 engine's own answer
         assert handoff(prefill, decode, prompt, 12) == expected
-    finally:
-        prefill.shutdown()
-        decode.shutdown()
 
 
 def test_incompatible_descriptor_is_refused(pair):
