@@ -12,6 +12,8 @@ the same step share it (every layer writes all of a step's new K/V before any at
 cache: n samples of one prompt compute it once). The step's registrations are provisional until
 `commit_step`; if the step fails, `rollback_step` withdraws them, and only the failed step's own
 sequences (failed with it) ever saw them: no later request can hit K/V that was never written.
+With overlap scheduling a second step is launched before the first commits: steps commit in launch
+order, and a failed step takes the steps launched after it down, so `rollback_step` withdraws all.
 
 Free blocks sit in one LRU queue. A released block keeps its hash and stays reusable until it is
 evicted from the head of the queue; a request's blocks are released tail-first, so its last
@@ -28,7 +30,7 @@ from __future__ import annotations
 
 import functools
 import itertools
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Sequence as Tokens
 
 from meshserve.engine.sequence import Sequence
@@ -96,7 +98,8 @@ class BlockManager:
         self.free_queue: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks)
         self.cached: dict[int, Block] = {}
         self._cache_ids = itertools.count(_ROOT + 1)
-        self._provisional: list[Block] = []  # registered by the step being scheduled or run
+        self._provisional: list[Block] = []  # registered by the step being scheduled
+        self._launched: deque[list[Block]] = deque()  # by the steps in flight, oldest first
         # Token counts, cumulative: prompt tokens of admitted sequences, and those found cached.
         self.prefix_queries = 0
         self.prefix_hits = 0
@@ -202,6 +205,7 @@ class BlockManager:
         """Make `seq`'s full blocks up to `num_full` findable. Work is proportional to the blocks
         filled since its last registration, not to its length."""
         chain = seq.chain_ids
+        num_full = min(num_full, len(seq.token_ids) // self.block_size)  # not a pending token's block
         if not self.enable_prefix_caching or len(chain) >= num_full:
             return
         hashes = self._block_hashes(seq, num_full)
@@ -221,17 +225,23 @@ class BlockManager:
             else:  # a hash collision: this prefix stays private, and so do the blocks after it
                 chain.append(next(self._cache_ids))
 
+    def launch_step(self) -> None:
+        self._launched.append(self._provisional)
+        self._provisional = []
+
     def commit_step(self) -> None:
-        """The step ran: the K/V of the blocks it registered are written."""
-        self._provisional.clear()
+        """The oldest step in flight (else the one scheduled) ran: its registered blocks are written."""
+        (self._launched.popleft() if self._launched else self._provisional).clear()
 
     def rollback_step(self) -> None:
-        """The step failed: withdraw what it registered (call before freeing its sequences)."""
-        for block in self._provisional:
+        """The oldest step in flight failed: withdraw what it and every step scheduled after it
+        registered, as those never run (call before freeing their sequences)."""
+        for block in [b for step in self._launched for b in step] + self._provisional:
             if block.block_hash is not None:
                 del self.cached[block.block_hash]
                 block.block_hash = None
                 block.cache_id = 0
+        self._launched.clear()
         self._provisional.clear()
 
     def free(self, seq: Sequence) -> None:

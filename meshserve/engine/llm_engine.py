@@ -15,18 +15,16 @@ from typing import TYPE_CHECKING, Any
 from meshserve.config import EngineConfig
 from meshserve.engine.answers import CallAnswers
 from meshserve.engine.block_manager import BlockManager
-from meshserve.engine.messages import (
-    ErrorCode,
-    RequestDelta,
-)
+from meshserve.engine.messages import ErrorCode, RequestDelta
 from meshserve.engine.output import EngineRequest
+from meshserve.engine.overlap import Launched, Overlap, run_after
 from meshserve.engine.reservations import LeaseDesk
 from meshserve.engine.scheduler import Scheduler, SchedulerOutput
 from meshserve.engine.sequence import Sequence, SequenceStatus
 from meshserve.engine.step_cost import StepCostModel
 from meshserve.engine.step_input import build_step_input
 from meshserve.engine.step_thread import make_step_thread
-from meshserve.engine.step_timeline import StepTimeline
+from meshserve.engine.step_timeline import StepTimeline, step_shape
 from meshserve.kv_transfer.connector import KVConnector, make_connector
 from meshserve.models.loader import resolve_model
 from meshserve.sampling_params import SamplingParams
@@ -95,11 +93,14 @@ class LLMEngine(CallAnswers):
         self.timeline = StepTimeline(config.step_trace)
         # Async scheduling: the next step runs on this thread while the engine renders the last one.
         self._step_thread = make_step_thread() if config.async_scheduling else None
-        self._inflight: tuple[SchedulerOutput, Future[StepResult], float, dict[str, float]] | None = None
+        self._inflight: Launched | None = None
+        self._last_step_done = 0.0  # a step launched before (overlap scheduling) starts no earlier
         # The ranks' timing and expert counts as of the last step (get_stats must not read them mid-step).
         self._executor_stats: tuple[dict[str, Any], dict[str, Any]] = ({}, {})
         self.kv: KVConnector | None = make_connector(config, self.executor, self.block_manager, self.source,
                                                      self.tokenizer)
+        # With async scheduling on one rank, the next step is even scheduled during the forward (engine/overlap.py).
+        self._overlap = Overlap.for_engine(self)
         kv_tokens = num_blocks * config.block_size
         logger.info("model %s (revision %s): %d blocks x %d tokens = %d KV tokens (%.2f GiB per rank); "
                     "max_model_len %d, so at most %.2fx concurrency at full length",
@@ -231,8 +232,10 @@ class LLMEngine(CallAnswers):
         launched, self._inflight = self._inflight or self._launch(), None
         if launched is None:
             return []
+        if self._overlap is not None:
+            self._inflight = self._overlap.launch_next(launched)
         sched, pending, now, phases = launched
-        t2 = phases.pop("started")  # when the ranks got the step
+        t2 = max(phases.pop("started"), self._last_step_done)  # when the ranks got the step
         try:
             result = pending.result()
         except WorkerFailure:
@@ -240,9 +243,10 @@ class LLMEngine(CallAnswers):
         except Exception as exc:
             return self._fail_step(sched, exc)
         except BaseException:  # KeyboardInterrupt: the caller aborts its requests
+            self._inflight = None
             self.block_manager.rollback_step()
             raise
-        t3 = time.perf_counter()
+        t3 = self._last_step_done = time.perf_counter()
         self.block_manager.commit_step()
         if self.kv is not None:
             self.kv.after_step(sched.scheduled)
@@ -250,24 +254,25 @@ class LLMEngine(CallAnswers):
         self.last_step_comm_s = sum(result.comm_s.values())
         self._executor_stats = self.executor.timing_snapshot(), self.executor.expert_load_snapshot()
         touched = self._take_tokens(sched, result.sampled)
-        if self._step_thread is not None:  # the next step runs while this one's text is rendered
+        if self._step_thread is not None and self._inflight is None:  # runs while this step's text is rendered
             self._inflight = self._launch()
         deltas = self._deltas(touched)
         sample_s = max((t.sample_s for t in result.rank_timings), default=0.0)
-        shape = _step_shape(sched) if self.step_cost or self.config.step_trace else None
+        shape = step_shape(sched) if self.step_cost or self.config.step_trace else None
         if self.step_cost and shape:
             self.step_cost.observe(shape, t3 - t2)
         self.timeline.record({**phases, "forward": t3 - t2 - sample_s, "sample": sample_s,
                               "output": time.perf_counter() - t3}, now, shape if self.config.step_trace else None)
         return deltas
 
-    def _launch(self) -> tuple[SchedulerOutput, Future[StepResult], float, dict[str, float]] | None:
-        """Schedule a step and start it: on the step thread with async scheduling, else run it here.
-        Its result (or what it raised) is the future's."""
+    def _launch(self, after: Future[StepResult] | None = None) -> Launched | None:
+        """Schedule a step and start it: on the step thread with async scheduling (after the step
+        `after`, if that succeeds), else run it here. Its result (or what it raised) is the future's."""
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return None
+        self.block_manager.launch_step()
         now = time.monotonic()
         for item in sched.scheduled:
             m = self.seq_to_request[item.seq.seq_id].metrics
@@ -280,7 +285,7 @@ class LLMEngine(CallAnswers):
             step_input = build_step_input(sched, self.structured, finished)
             t2 = time.perf_counter()
             if self._step_thread is not None:
-                pending = self._step_thread.submit(self.executor.execute, step_input)
+                pending = self._step_thread.submit(run_after, after, self.executor.execute, step_input)
             else:
                 pending.set_result(self.executor.execute(step_input))
         except WorkerFailure:
@@ -297,9 +302,12 @@ class LLMEngine(CallAnswers):
         logger.error("an engine step failed (%s: %s); failing the %d request(s) in it",
                      type(exc).__name__, exc, len({i.seq.request_id for i in sched.scheduled}),
                      exc_info=logger.isEnabledFor(logging.DEBUG))
-        self.block_manager.rollback_step()
+        self.block_manager.rollback_step()  # and that of the step launched on it, which never runs
         failed = {self.seq_to_request[i.seq.seq_id].request_id: self.seq_to_request[i.seq.seq_id]
                   for i in sched.scheduled if not i.seq.is_finished}
+        if self._overlap is not None and self._inflight is not None:  # launched on it (overlap scheduling)
+            failed.update((state.request_id, state) for state in self._overlap.drop(self._inflight))
+        self._inflight = None
         deltas = []
         for state in failed.values():
             state.error = f"the engine step failed: {type(exc).__name__}: {exc}"
@@ -316,14 +324,14 @@ class LLMEngine(CallAnswers):
         row = 0
         for item in sched.scheduled:
             seq = item.seq
-            if seq.is_finished:  # aborted while its step ran (async scheduling): its token is void
+            seq.token_pending = False
+            if seq.is_finished:  # aborted while its step ran, or ended the step before (overlap): void
                 row += item.completes
                 continue
-            seq.num_computed_tokens = item.start + item.num_tokens
+            if seq.status is SequenceStatus.RUNNING:  # else preempted while its step ran (overlap)
+                seq.num_computed_tokens = item.start + item.num_tokens
             if not item.completes:
                 continue
-            if seq.params.has_penalties:
-                seq.sampler_has_history = True
             state = self.seq_to_request[seq.seq_id]
             assert sampled is not None, "the executor samples in every step that completes a sequence"
             self._append_token(state, seq, sampled.token_ids[row], sampled.logprobs[row], now)
@@ -365,7 +373,7 @@ class LLMEngine(CallAnswers):
             reason, stop_reason = "stop", (token if token in p.stop_ids else None)
         elif self.structured.constrained(seq) and self.structured.advance(seq, token):
             reason = "stop"  # the output is complete: its constraint admits no more tokens
-        elif p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+        elif seq.length_reached(self.max_model_len):
             reason = "length"
         sample = state.samples[seq.index]
         if sample.stops:  # its text decides whether it stops: rendered before the next step is scheduled
@@ -388,10 +396,3 @@ class LLMEngine(CallAnswers):
             self.kv.close()
         self.executor.shutdown()
 
-
-def _step_shape(sched: SchedulerOutput) -> dict[str, int]:
-    """What a step computed: prompt tokens, sequences decoding one token, context tokens attended."""
-    prompt = [i for i in sched.scheduled if i.start < i.seq.num_prompt_tokens]
-    return {"prompt_tokens": sum(i.num_tokens for i in prompt), "prompts": len(prompt),
-            "decodes": len(sched.scheduled) - len(prompt),
-            "context": sum(i.start + i.num_tokens for i in sched.scheduled)}

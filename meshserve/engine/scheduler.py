@@ -26,11 +26,12 @@ class ScheduledSeq:
     seq: Sequence
     start: int  # first position computed this step (= tokens already in the cache)
     num_tokens: int
+    # After this step every token is computed, so the sequence samples its next token. Fixed when
+    # scheduled: with overlap scheduling its token count changes while the step runs.
+    completes: bool = field(init=False)
 
-    @property
-    def completes(self) -> bool:
-        """After this step every token is computed, so the sequence samples its next token."""
-        return self.start + self.num_tokens == self.seq.num_tokens
+    def __post_init__(self) -> None:
+        self.completes = self.start + self.num_tokens == self.seq.num_tokens
 
 
 @dataclass
@@ -186,6 +187,22 @@ class Scheduler:
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
+
+    def requeue(self, seq: Sequence) -> None:
+        """Put a running sequence whose step never ran back at the head of the queue, to be computed
+        again from its first token (its blocks are freed)."""
+        self.running.remove(seq)
+        self.bm.free(seq)
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+
+    def end_early(self, seq: Sequence) -> None:
+        """A running sequence whose last token (by length) is being sampled leaves now, with its blocks,
+        as it would once that token is in: the next step is scheduled as if it had (overlap
+        scheduling). Steps run in order, so a later one writes those blocks only after this one."""
+        self.running.remove(seq)
+        self.bm.free(seq)
+        seq.status = SequenceStatus.ENDING
 
     def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
         """Finish (or abort) a sequence wherever it is and return its blocks to the pool."""

@@ -17,6 +17,7 @@ class SequenceStatus(enum.Enum):
     HELD = "held"  # not in the scheduler yet (its structured-output parser is being compiled)
     WAITING = "waiting"
     RUNNING = "running"
+    ENDING = "ending"  # its last token is being sampled (overlap scheduling): out of the scheduler, blocks freed
     FINISHED = "finished"
 
 
@@ -42,10 +43,20 @@ class Sequence:
         self.num_preemptions = 0
         self.sampler_has_history = False  # the sampling rank holds its penalty state
         self.lease: Lease | None = None  # the lease its blocks are promised by (never preempted then)
+        # Overlap scheduling (engine/overlap.py): the step in flight samples this sequence's next
+        # token, which the next step, scheduled before it is known, already computes.
+        self.token_pending = False
 
     @property
     def num_tokens(self) -> int:
-        return len(self.token_ids)
+        """Its tokens as the scheduler counts them: a pending token is one."""
+        return len(self.token_ids) + self.token_pending
+
+    def length_reached(self, max_model_len: int, more: int = 0) -> bool:
+        """With `more` tokens appended it has as many outputs as max_tokens allows, or max_model_len tokens."""
+        p = self.params
+        return (p.max_tokens is not None and self.num_output_tokens + more >= p.max_tokens
+                or len(self.token_ids) + more >= max_model_len)
 
     @property
     def output_token_ids(self) -> list[int]:

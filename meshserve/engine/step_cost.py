@@ -1,5 +1,5 @@
 """What a step costs, learned from the engine's own steps: seconds ~ a + b*prompt_tokens +
-c*decodes + d*context (context: the tokens the step's rows attend to, as `_step_shape` counts them).
+c*decodes + d*context (context: the tokens the step's rows attend to, as `step_timeline.step_shape` counts them).
 
 The scheduler asks it how many prompt tokens fit beside the running decodes within a time budget.
 Steps with prompt tokens and decode-only steps are kept in rings of their own: in steady serving

@@ -11,7 +11,10 @@ its phases, so that a served step can be set beside the same step offline or the
 from __future__ import annotations
 
 import json
-from typing import IO
+from typing import IO, TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from meshserve.engine.scheduler import SchedulerOutput
 
 PHASES = ("schedule", "prepare", "forward", "sample", "output", "ipc")
 
@@ -49,3 +52,11 @@ class StepTimeline:
         rows = [f"{'phase':<10}{'total s':>10}{'ms/step':>10}{'share':>8}"]
         rows += [f"{p:<10}{s:>10.3f}{s / n * 1e3:>10.3f}{s / total:>8.1%}" for p, s in self.totals.items()]
         return f"engine step phases over {self.steps} steps:\n" + "\n".join(rows)
+
+
+def step_shape(sched: SchedulerOutput) -> dict[str, int]:
+    """What a step computed: prompt tokens, sequences decoding one token, context tokens attended."""
+    prompt = [i for i in sched.scheduled if i.start < i.seq.num_prompt_tokens]
+    return {"prompt_tokens": sum(i.num_tokens for i in prompt), "prompts": len(prompt),
+            "decodes": len(sched.scheduled) - len(prompt),
+            "context": sum(i.start + i.num_tokens for i in sched.scheduled)}

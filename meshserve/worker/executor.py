@@ -98,6 +98,9 @@ class Executor(ABC):
 
     # How often an idle engine should call check_health when its ranks have no sentinels (seconds).
     health_check_interval: float | None = None
+    # Why a step may not take the tokens the step before sampled as its inputs, unseen by the engine
+    # (overlap scheduling, engine/overlap.py); None where it may.
+    no_pending_tokens: str | None = None
 
     def shutdown(self) -> None:
         if not (self.config.profile or self.config.profile_dir) or not self.timing.steps:
@@ -171,6 +174,9 @@ class UniProcExecutor(Executor):
 class DistributedExecutor(Executor):
     """What the multi-rank executors share: every call goes to every rank, the KV block count is the
     minimum over ranks, and a failed executor keeps raising its WorkerFailure."""
+
+    no_pending_tokens = ("the ranks that embed a step's tokens do not hold the tokens the sampling rank drew "
+                         "in the step before")
 
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)

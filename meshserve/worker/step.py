@@ -29,6 +29,9 @@ class SeqStep:
     # The tokens a constrained sequence may sample next (structured outputs): a bit per token id,
     # little-endian 32-bit words; None for an unconstrained one.
     allowed: bytes | None = None
+    # Overlap scheduling: the one input token is the one this sequence sampled in the step before,
+    # which the engine has not seen yet (token_ids holds a placeholder); the rank fills it in.
+    from_last_sample: bool = False
 
 
 @dataclass

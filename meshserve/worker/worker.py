@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -62,6 +63,9 @@ class Worker:
         self._inflight: list[tuple[torch.distributed.Work, torch.Tensor]] = []
         self._profiler: torch.profiler.profile | None = None
         self.min_microbatch_tokens = MIN_MICROBATCH_TOKENS.get(device.type, 1)
+        # The tokens the last step sampled here, by sequence: a step scheduled before the engine saw
+        # them (overlap scheduling) reads its pending input tokens from them.
+        self._last_sampled: dict[int, int] = {}
 
     @property
     def info(self) -> dict:
@@ -95,6 +99,7 @@ class Worker:
         and the tokens routed to each expert of this stage's MoE layers (from one rank per stage)."""
         t0 = time.perf_counter()
         ps, runner = self.ps, self.runner
+        step = self._fill_pending(step)
         with torch.profiler.record_function("meshserve_step"):
             # The last stage has replied for the previous step, so its sends are done: this returns at once.
             ps.wait([w for w, _ in self._inflight])
@@ -116,11 +121,32 @@ class Worker:
                 t_sample = time.perf_counter()
                 sampled = runner.sample(step, torch.cat(rows) if rows else None)
                 sample_s = time.perf_counter() - t_sample
+                if sampled is not None:
+                    self._last_sampled = dict(zip((s.seq_id for s in step.seqs if s.sample), sampled.token_ids))
             if ps.device.type == "cuda":  # the step's one sync (free on the sampling rank, which has read its tokens)
                 torch.cuda.synchronize(ps.device)
         comm = ps.comm_timer.take()
         timing = RankTiming(self.rank, time.perf_counter() - t0 - sum(comm.values()), comm, sample_s)
         return RankStepOutput(sampled, timing, runner.take_expert_counts())
+
+    def _fill_pending(self, step: StepInput) -> StepInput:
+        """The step with each pending input token replaced by the token its sequence sampled in the
+        step before. Only a rank that both samples and embeds tokens has them (a single rank); a step
+        after one that failed finds none and fails before it computes anything."""
+        last, self._last_sampled = self._last_sampled, {}
+        if not any(s.from_last_sample for s in step.seqs):
+            return step
+        if self.ps.world_size > 1:
+            raise RuntimeError("a step with pending tokens reached a rank of a multi-rank replica")
+        seqs = []
+        for s in step.seqs:
+            if s.from_last_sample:
+                if s.seq_id not in last:
+                    raise RuntimeError(f"sequence {s.seq_id}'s input is the token it sampled last step, "
+                                       "but the last step sampled none for it")
+                s = replace(s, token_ids=[last[s.seq_id]], from_last_sample=False)
+            seqs.append(s)
+        return replace(step, seqs=seqs)
 
     def close(self) -> None:
         if self._profiler is not None:
