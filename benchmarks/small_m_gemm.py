@@ -11,7 +11,7 @@ fastest path: what bounds many rows). The paths take turns within each measureme
 each figure is the fastest of its rounds, so a busy machine slows all of them alike.
 
 It ends with the crossovers this CPU shows, beside the ones the engine uses
-(`layers/cpu_gemm.py`: GEMV_MAX_ROWS_BESIDE_PACKED, PACKED_MAX_ROWS).
+(`layers/cpu_gemm.py`: `gemv_max_rows`, `packed_rows`).
 
     python benchmarks/small_m_gemm.py                        # float32 and bfloat16, both cores
     python benchmarks/small_m_gemm.py --dtypes float32 --rows 1 2 3 4 8 16 --threads 1
@@ -143,8 +143,9 @@ def main() -> int:
         if dtype == torch.float32:
             onednn_to = max((r["rows"] for r in results if "onednn" in r["ms"] and r["ms"]["onednn"] <= r["ms"]["mkl"]),
                             default=0)
+            top = cpu_gemm.packed_rows(dtype)[1]
             print(f"{name}: oneDNN's packed weight is as fast as MKL or faster up to {onednn_to} rows measured; "
-                  f"the engine uses it up to {cpu_gemm.PACKED_MAX_ROWS}")
+                  f"the engine uses it {f'up to {top} rows' if top <= max(a.rows) else 'at every row count'}")
         report["dtypes"][name] = {"matmul_peak_gflops": peak / 1e9, "results": results, "gemv_faster_to": gemv_to}
     if a.json:
         with open(a.json, "w") as f:

@@ -11,8 +11,9 @@ dtype that is not packed here keeps the GEMV to its limit (cpu_kernels.GEMV_MAX_
 
 From there on MKL's sgemm, which `F.linear` calls, packs panels of the weight on every call, work
 that a few dozen rows cannot amortise; oneDNN reads a weight packed once into its own blocked
-layout. From a few hundred rows on (prefill chunks) MKL amortises its packing and is as fast, so
-those keep `F.linear`. Where the GEMV cannot run (no kernels built), decode rows take oneDNN from
+layout. On an Intel CPU, from a few hundred rows on (prefill chunks), MKL amortises its packing and
+is as fast, so those keep `F.linear`; elsewhere float32 takes oneDNN at every row count
+(PACKED_MAX_ROWS_INTEL). Where the GEMV cannot run (no kernels built), decode rows take oneDNN from
 PACKED_MIN_ROWS (its per-call setup outweighs its gain on a decoder layer below that).
 The packed copy costs one more copy of each linear weight in host memory.
 In bfloat16, `F.linear` reorders the weight on every call and oneDNN runs on AMX tiles where the
@@ -36,9 +37,13 @@ import torch.nn.functional as F
 
 from meshserve.layers import cpu_kernels
 from meshserve.layers.quantization.matmul import QuantizedMatmul
-from meshserve.utils.cpuinfo import onednn_packs_bf16
+from meshserve.utils.cpuinfo import cpu_vendor, onednn_packs_bf16
 
-PACKED_MAX_ROWS = 128  # the crossover with MKL, measured between 150 and 250 rows
+# MKL's sgemm, which F.linear calls, takes its fastest paths on Intel CPUs: there it matches oneDNN's
+# packed weight from a few hundred rows (the crossover measured between 150 and 250 rows on two
+# Xeons) without oneDNN's first call per new row count. Elsewhere oneDNN was faster at every row
+# count measured (1.2-1.4x from 4 to 1024 float32 rows on a Zen 4 EPYC, benchmarks/small_m_gemm.py).
+PACKED_MAX_ROWS_INTEL = 128
 # Below this many rows oneDNN's setup per call outweighs what it saves on a decoder layer's weights;
 # an LM head, tens of times larger, gains from one row on (PACKED_MIN_ROWS_LM_HEAD).
 PACKED_MIN_ROWS = 4
@@ -50,10 +55,11 @@ BF16_ROW_MULTIPLE = 16
 _NO_ROWS = (1, 0)
 # Where the GEMV runs its AVX-512 path beside a packed weight, the most rows for which it beats
 # oneDNN on SmolLM2's decoder shapes, both cores (benchmarks/small_m_gemm.py on a Zen 4 EPYC:
-# float32 GEMV/oneDNN time 0.65 at 2 rows, 1.03 at 3, 1.15 at 4; bfloat16 0.80 at 4, 0.98 at 6,
-# 1.35 at 8). Float32 packed matmuls start at PACKED_MIN_ROWS = 4, the row after. On the AVX2 path
-# oneDNN's float32 kernels are narrower too and the GEMV won to 16 rows (a Zen 3 EPYC).
-GEMV_MAX_ROWS_BESIDE_PACKED = {torch.float32: 3, torch.bfloat16: 6}
+# GEMV/oneDNN time in float32 0.74 at 2 rows, 0.92 at 3, 1.02 at 4, 1.24 at 6; in bfloat16 0.64 at
+# 2, 0.96 at 3, 1.08 at 4, 1.31 at 6). Float32 packed matmuls start at PACKED_MIN_ROWS = 4, the row
+# after. On the AVX2 path oneDNN's float32 kernels are narrower too and the GEMV won to 16 rows (a
+# Zen 3 EPYC).
+GEMV_MAX_ROWS_BESIDE_PACKED = {torch.float32: 3, torch.bfloat16: 3}
 
 
 def packs(dtype: torch.dtype) -> bool:
@@ -73,7 +79,9 @@ def packed_rows(dtype: torch.dtype, min_rows: int = PACKED_MIN_ROWS) -> tuple[in
     """The row counts (inclusive) for which a packed weight of this dtype is used."""
     if not packs(dtype):
         return _NO_ROWS
-    return _ANY_ROWS if dtype == torch.bfloat16 else (min_rows, PACKED_MAX_ROWS)
+    if dtype == torch.bfloat16:
+        return _ANY_ROWS
+    return min_rows, (PACKED_MAX_ROWS_INTEL if cpu_vendor() == "GenuineIntel" else _ANY_ROWS[1])
 
 
 def gemv_max_rows(dtype: torch.dtype) -> int:

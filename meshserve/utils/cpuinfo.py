@@ -1,16 +1,27 @@
-"""The host CPU's feature flags (Linux /proc/cpuinfo; none elsewhere)."""
+"""The host CPU's vendor and feature flags (Linux /proc/cpuinfo; none elsewhere)."""
 from __future__ import annotations
 
 import functools
 
 
-@functools.cache
-def cpu_flags() -> frozenset[str]:
+def _first_field(name: str) -> list[str]:
+    """The words after `name :` on the first such line of /proc/cpuinfo."""
     try:
         with open("/proc/cpuinfo") as f:
-            return frozenset(next((line.split() for line in f if line.startswith("flags")), []))
+            return next((line.split(":", 1)[1].split() for line in f if line.split(":", 1)[0].strip() == name), [])
     except OSError:
-        return frozenset()
+        return []
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    return frozenset(_first_field("flags"))
+
+
+@functools.cache
+def cpu_vendor() -> str:
+    """"GenuineIntel", "AuthenticAMD", ... ("" where it is not known)."""
+    return " ".join(_first_field("vendor_id"))
 
 
 def onednn_packs_bf16() -> bool:

@@ -313,7 +313,7 @@ def _gemv_row_counts():
 @pytest.mark.parametrize("rows", [1, 3, 4, 9, 16, 17, 64, 128, 129, 700])  # GEMV to 3 or 16, packed to _MAX_ROWS
 @pytest.mark.parametrize("bias,lm_head", [(False, False), (True, False), (False, True)])
 def test_packed_linear_matches_f_linear(rows, bias, lm_head, isa):
-    from meshserve.layers.cpu_gemm import GEMV_MAX_ROWS_BESIDE_PACKED, PACKED_MAX_ROWS, gemv_max_rows
+    from meshserve.layers.cpu_gemm import GEMV_MAX_ROWS_BESIDE_PACKED, gemv_max_rows, packed_rows
     from meshserve.layers.embedding import ParallelLMHead
     from meshserve.layers.linear import ColumnParallelLinear
 
@@ -333,8 +333,22 @@ def test_packed_linear_matches_f_linear(rows, bias, lm_head, isa):
     assert gemv_max_rows(torch.float32) == most
     gemv = rows <= most
     assert streamed == ([rows] if gemv else [])
-    assert packed == ([rows] if not gemv and rows <= PACKED_MAX_ROWS else [])
+    assert packed == ([rows] if not gemv and rows <= packed_rows(torch.float32)[1] else [])
     torch.testing.assert_close(out, F.linear(x, lin.weight, getattr(lin, "bias", None)), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("vendor,top", [("GenuineIntel", 128), ("AuthenticAMD", None), ("", None)])
+def test_float32_prefill_rows_take_mkl_only_on_intel(vendor, top, monkeypatch):
+    """MKL matches oneDNN's packed weight from a few hundred rows on Intel CPUs only: elsewhere float32
+    takes the packed weight at every row count."""
+    from meshserve.layers import cpu_gemm
+
+    monkeypatch.setattr(cpu_gemm, "cpu_vendor", lambda: vendor)
+    lo, hi = cpu_gemm.packed_rows(torch.float32)
+    assert lo == cpu_gemm.PACKED_MIN_ROWS
+    assert hi == top if top else hi > 1 << 40
+    if cpu_gemm.packs(torch.bfloat16):  # bfloat16 packs every row count on any vendor's CPU
+        assert cpu_gemm.packed_rows(torch.bfloat16) == (1, 1 << 62)
 
 
 def _bf16_packing_paths() -> list[bool]:
