@@ -101,7 +101,7 @@ def test_the_next_step_is_scheduled_while_the_forward_runs(pair, monkeypatch):
     sync, overlapped = pair
     engine = overlapped.engine
     before = engine._overlap.steps_overlapped
-    trace = _Trace(engine, monkeypatch, gate_s=2.0)
+    trace = _Trace(engine, monkeypatch, gate_s=5.0)  # the last forward waits it out: no step follows
     params = [GREEDY, replace(GREEDY, n=2, temperature=0.9, seed=5, presence_penalty=1.0, logprobs=2)]
     outs = overlapped.generate([[5, 6, 7, 8], [9, 10, 11]], params)
     # 8 steps: the prompts', then 7 decodes, each scheduled during its predecessor's forward.
@@ -169,7 +169,7 @@ def test_a_sequence_ending_in_the_step_before_gets_nothing_more(pair, monkeypatc
 def test_a_failed_step_takes_the_one_launched_on_it_down(pair, monkeypatch):
     sync, overlapped = pair
     engine = overlapped.engine
-    trace = _Trace(engine, monkeypatch, gate_s=2.0, fail_at=2)
+    trace = _Trace(engine, monkeypatch, gate_s=5.0, fail_at=2)
     long = replace(GREEDY, max_tokens=20)
     engine.add_request("a", [41, 42, 43, 44], long)
     engine.add_request("b", [51, 52, 53], replace(long, n=2, temperature=0.7, seed=9, frequency_penalty=0.5))
