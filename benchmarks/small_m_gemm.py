@@ -3,15 +3,16 @@
 For each row count (decode steps of a few sequences up to prefill chunks) and dtype, the time of
 one pass over the embedded model's decoder shapes (qkv 960x576, o 576x576, gate_up 3072x576,
 down 576x1536; 30 copies of each, so every weight comes from memory as in a decode step) through
-each matmul path the engine has: the C++ GEMV (up to 16 rows), oneDNN on the weight packed once
-at load time, and MKL (`F.linear`). Beside each: the weight bytes streamed per second as a share
+each matmul path the engine has: the C++ GEMV (up to 16 rows), the panel GEMM on its own packing
+of the weight (AVX-512; bfloat16 with AVX512-BF16), oneDNN on the weight packed once at load
+time, and MKL (`F.linear`). Beside each: the weight bytes streamed per second as a share
 of the read bandwidth measured in the same process (what bounds a pass of a few rows), and the
 FLOP/s as a share of the matmul peak measured in the same process (a 2048-cube through the
 fastest path: what bounds many rows). The paths take turns within each measurement round, and
 each figure is the fastest of its rounds, so a busy machine slows all of them alike.
 
 It ends with the crossovers this CPU shows, beside the ones the engine uses
-(`layers/cpu_gemm.py`: `gemv_max_rows`, `packed_rows`).
+(`layers/cpu_gemm.py`: `panel_max_rows`, `gemv_max_rows`, `packed_rows`).
 
     python benchmarks/small_m_gemm.py                        # float32 and bfloat16, both cores
     python benchmarks/small_m_gemm.py --dtypes float32 --rows 1 2 3 4 8 16 --threads 1
@@ -43,6 +44,8 @@ def _linear_packed(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
 
 def _paths(dtype: torch.dtype, rows: int) -> list[str]:
     paths = ["gemv"] if rows <= cpu_kernels.GEMV_MAX_ROWS and cpu_kernels.available() else []
+    if cpu_kernels.panel_usable(dtype):
+        paths.append("panel")
     if dtype == torch.float32 or onednn_packs_bf16():
         paths.append("onednn")
     return [*paths, "mkl"]
@@ -68,12 +71,16 @@ def measure(dtype: torch.dtype, rows_list: list[int], repeats: int) -> list[dict
     packable = dtype == torch.float32 or onednn_packs_bf16()
     packed = ({n: [torch.ops.mkldnn._reorder_linear_weight(w) for w in ws] for n, ws in weights.items()}
               if packable else {})
+    panels = ({n: [cpu_kernels.pack_panels(w) for w in ws] for n, ws in weights.items()}
+              if cpu_kernels.panel_usable(dtype) else {})
     nbytes = sum(w.numel() * w.element_size() for ws in weights.values() for w in ws)
     flops_per_row = 2 * sum(n * k for n, k in SHAPES.values()) * COPIES
     results = []
     for rows in rows_list:
         xs = {n: torch.randn(rows, k, generator=g).to(dtype) for n, (_, k) in SHAPES.items()}
         runs = {"gemv": lambda xs=xs: [cpu_kernels.gemv(xs[n], w) for n, ws in weights.items() for w in ws],
+                "panel": lambda xs=xs: [cpu_kernels.panel_gemm(xs[n], p, SHAPES[n][0]) for n, ps in panels.items()
+                                        for p in ps],
                 "onednn": lambda xs=xs: [_linear_packed(xs[n], p) for n, ps in packed.items() for p in ps],
                 "mkl": lambda xs=xs: [F.linear(xs[n], w) for n, ws in weights.items() for w in ws]}
         paths = _paths(dtype, rows)
@@ -124,10 +131,10 @@ def main() -> int:
         peak = matmul_peak(dtype)
         results = measure(dtype, sorted(set(a.rows)), a.repeats)
         print(f"\n{name}: matmul peak {peak / 1e9:.0f} GFLOP/s (2048-cube)")
-        print(f"{'rows':>5} " + "".join(f"{p:>30}" for p in ("gemv", "onednn (packed)", "mkl (F.linear)")))
+        print(f"{'rows':>5} " + "".join(f"{p:>30}" for p in ("gemv", "panel", "onednn (packed)", "mkl (F.linear)")))
         for r in results:
             cells = []
-            for p in ("gemv", "onednn", "mkl"):
+            for p in ("gemv", "panel", "onednn", "mkl"):
                 if p not in r["ms"]:
                     cells.append(f"{'':>30}")
                     continue
@@ -140,6 +147,10 @@ def main() -> int:
               "share of the matmul peak)\n"
               f"{name}: the GEMV is faster up to {gemv_to} rows here; the engine uses it up to "
               f"{cpu_gemm.gemv_max_rows(dtype)}")
+        if cpu_kernels.panel_usable(dtype):
+            panel_to = crossover(results, "panel", "onednn" if dtype == torch.float32 or onednn_packs_bf16() else "mkl")
+            print(f"{name}: the panels are faster than oneDNN up to {panel_to} rows here; the engine uses them up "
+                  f"to {cpu_gemm.panel_max_rows(dtype)}")
         if dtype == torch.float32:
             onednn_to = max((r["rows"] for r in results if "onednn" in r["ms"] and r["ms"]["onednn"] <= r["ms"]["mkl"]),
                             default=0)

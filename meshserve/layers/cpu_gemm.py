@@ -1,5 +1,13 @@
-"""CPU matmuls: the C++ GEMV for a few rows, then oneDNN with weights packed once at load time
-(float32 for small batches, bfloat16 for every batch), then MKL.
+"""CPU matmuls: the C++ panel GEMM (AVX-512) or GEMV for a few rows, then oneDNN with weights
+packed once at load time (float32 for small batches, bfloat16 for every batch), then MKL.
+
+Where the CPU has AVX-512 (and AVX512-BF16 for bfloat16), every linear weight gets a second
+packing at load time, in panels of outputs (csrc/panel_gemm.cpp), and steps of up to
+PANEL_MAX_ROWS rows take it: its outputs run across the vector lanes, so it streams the weight at
+86-97% of the read bandwidth from 1 to 8 rows, where oneDNN reached 58-74% and the GEMV fell from
+90% at one row to 50% at eight, and it stays ahead of oneDNN to a few dozen rows (measured by
+benchmarks/small_m_gemm.py). Each row's sums are the same whatever else shares the step. The panels
+cost one more copy of each linear weight. Elsewhere the GEMV and oneDNN share the few rows as below.
 
 Up to a few rows (decode steps of a few sequences) a linear layer streams its weight from memory
 once; the C++ GEMV (csrc/gemv.cpp) reads it as stored, in float32 or bfloat16, at the memory's
@@ -60,6 +68,11 @@ _NO_ROWS = (1, 0)
 # after. On the AVX2 path oneDNN's float32 kernels are narrower too and the GEMV won to 16 rows (a
 # Zen 3 EPYC).
 GEMV_MAX_ROWS_BESIDE_PACKED = {torch.float32: 3, torch.bfloat16: 3}
+# The panel GEMM against oneDNN's packed weight on SmolLM2's decoder shapes, both cores, Zen 4 EPYC
+# (benchmarks/small_m_gemm.py): time ratio 0.64 at 1 float32 row, 0.66 at 8, 0.92 at 16, 0.98 at
+# 32, 1.00 at 64, 1.11 at 128; in bfloat16 0.59 at 1, 0.64 at 8, 0.92 at 16, 0.95 at 32, 1.00 at
+# 64, 1.08 at 128. Against the GEMV it was as fast at one row and faster from two.
+PANEL_MAX_ROWS = 64
 
 
 def packs(dtype: torch.dtype) -> bool:
@@ -84,14 +97,24 @@ def packed_rows(dtype: torch.dtype, min_rows: int = PACKED_MIN_ROWS) -> tuple[in
     return min_rows, (PACKED_MAX_ROWS_INTEL if cpu_vendor() == "GenuineIntel" else _ANY_ROWS[1])
 
 
+def _small_rows_kernels() -> bool:
+    """MESHSERVE_DISABLE_GEMV=1 turns the GEMV and the panels off (the benchmarks' baseline)."""
+    return os.environ.get("MESHSERVE_DISABLE_GEMV") != "1"
+
+
+def panel_max_rows(dtype: torch.dtype) -> int:
+    """Up to this many rows a matmul with a CPU weight of this dtype takes its panels
+    (csrc/panel_gemm.cpp); 0 where they cannot run now."""
+    return PANEL_MAX_ROWS if _small_rows_kernels() and cpu_kernels.panel_usable(dtype) else 0
+
+
 def gemv_max_rows(dtype: torch.dtype) -> int:
     """Up to this many rows a matmul with a CPU weight of this dtype streams the weight through the
-    C++ GEMV (csrc/gemv.cpp) instead of MKL or oneDNN: to the measured crossover with oneDNN where
-    the dtype is packed and the GEMV runs its AVX-512 path, else to the GEMV's limit. 0: not here,
-    or MESHSERVE_DISABLE_GEMV=1 (the benchmarks' baseline)."""
-    usable = (dtype in cpu_kernels.DTYPES and os.environ.get("MESHSERVE_DISABLE_GEMV") != "1"
-              and cpu_kernels.available())
-    if not usable:
+    C++ GEMV (csrc/gemv.cpp) instead of MKL or oneDNN: none where the panels take those rows; to
+    the measured crossover with oneDNN where the dtype is packed and the GEMV runs its AVX-512
+    path, else to the GEMV's limit. 0: not here, or turned off (_small_rows_kernels)."""
+    usable = dtype in cpu_kernels.DTYPES and _small_rows_kernels() and cpu_kernels.available()
+    if not usable or panel_max_rows(dtype):
         return 0
     if packs(dtype) and cpu_kernels.gemv_isa() == "avx512":
         return GEMV_MAX_ROWS_BESIDE_PACKED[dtype]
@@ -107,6 +130,7 @@ class PrepackedMatmul:
 
     weight: torch.nn.Parameter  # set by the module's __init__ (empty once the weight is quantized)
     _packed: torch.Tensor | None = None
+    _panels: torch.Tensor | None = None  # the weight as panel_gemm reads it (cpu_kernels.pack_panels)
     quant: QuantizedMatmul | None = None  # the weight as quantized blocks (quantization/assemble.py)
     packed_min_rows = PACKED_MIN_ROWS
     rows_are_sequences = False  # one row per sequence (an LM head), not one per token
@@ -116,10 +140,16 @@ class PrepackedMatmul:
         """Call after the weights are loaded and on their final device and dtype."""
         usable = _enabled(self.weight) and self.quant is None
         self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach()) if usable else None
+        panels = (self.quant is None and self.weight.device.type == "cpu" and self.weight.dim() == 2
+                  and panel_max_rows(self.weight.dtype) > 0)
+        self._panels = cpu_kernels.pack_panels(self.weight) if panels else None
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.quant is not None:
             return self.quant(x, bias)
+        if (self._panels is not None and x.dim() == 2 and x.shape[0] <= panel_max_rows(self.weight.dtype)
+                and x.dtype == self.weight.dtype):
+            return cpu_kernels.panel_gemm(x.contiguous(), self._panels, self.weight.shape[0], bias)
         if (x.dim() == 2 and x.shape[0] <= gemv_max_rows(self.weight.dtype) and self.weight.device.type == "cpu"
                 and x.dtype == self.weight.dtype and self.weight.is_contiguous()):
             return cpu_kernels.gemv(x, self.weight, bias)
@@ -144,6 +174,12 @@ def prepack_model(model: torch.nn.Module) -> None:
         use_cpu_stack()
 
 
+def panel_bytes(model: torch.nn.Module) -> int:
+    """Host memory the model's weight panels take (the copy beside each linear weight)."""
+    return sum(m._panels.nbytes for m in model.modules()
+               if isinstance(m, PrepackedMatmul) and m._panels is not None)
+
+
 def warm_up_packed(model: torch.nn.Module, max_token_rows: int, max_sequence_rows: int) -> int:
     """Builds oneDNN's primitives for every padded row count a step can bring up to these bounds,
     once per weight shape (layers of one shape share them); returns how many matmuls that ran.
@@ -163,7 +199,8 @@ def warm_up_packed(model: torch.nn.Module, max_token_rows: int, max_sequence_row
         seen.add(key)
         lo, hi = packed_rows(m.weight.dtype, m.packed_min_rows)
         top = min(hi, max_sequence_rows if m.rows_are_sequences else max_token_rows)
-        first = max(lo, gemv_max_rows(m.weight.dtype) + 1)  # fewer rows take the GEMV, never oneDNN
+        # fewer rows take the GEMV or the panels, never oneDNN
+        first = max(lo, gemv_max_rows(m.weight.dtype) + 1, panel_max_rows(m.weight.dtype) + 1)
         with torch.inference_mode():
             for rows in range(-(-first // multiple) * multiple, top + multiple, multiple):
                 m.matmul(torch.zeros(rows, m.weight.shape[1], dtype=m.weight.dtype), bias)

@@ -11,6 +11,9 @@
   activations each, where the PyTorch formulas make several.
 - `gemv`: linear layers for the few rows of a decode step (csrc/gemv.cpp), streaming the weight
   as stored, float32 or bfloat16, at the memory's pace (cpu_gemm.py chooses it by row count).
+- `panel_gemm`: linear layers for a few to a few dozen rows (csrc/panel_gemm.cpp) on a copy of the
+  weight packed at load time in panels of PANEL_WIDTH outputs (`pack_panels`), the outputs across
+  the vector lanes, AVX-512 only (bfloat16 with AVX512-BF16).
 - `qgemv` / `qdequantize`: linear layers on quantized weights as a GGUF file stores them (Q4_0,
   Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K) or as int8 / float8 e4m3 rows with per-channel scales
   (csrc/quant_gemv.cpp): a decode step's few rows read the blocks without expanding them in memory,
@@ -45,9 +48,11 @@ logger = logging.getLogger(__name__)
 
 # One translation unit, in this order: the later files call the earlier ones' kernels and helpers.
 _SOURCE_PATHS = [Path(__file__).parent / "csrc" / name for name in
-                 ("cpu_kernels.cpp", "gemv.cpp", "quant_gemv.cpp", "paged_decode.cpp", "decoder_stack.cpp")]
+                 ("cpu_kernels.cpp", "gemv.cpp", "quant_gemv.cpp", "paged_decode.cpp", "panel_gemm.cpp",
+                  "decoder_stack.cpp")]
 _FUNCTIONS = ["paged_decode", "rms_norm", "silu_and_mul", "rotary_", "argmax_rows", "gemv", "gemv_isa",
-              "decoder_stack", "allow_avx512", "qgemv", "qmatmul", "qdequantize", "quant_isa", "set_quant_isa"]
+              "decoder_stack", "allow_avx512", "panel_gemm", "panel_usable",
+              "qgemv", "qmatmul", "qdequantize", "quant_isa", "set_quant_isa"]
 
 _lock = threading.Lock()
 _module = None
@@ -183,6 +188,32 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 def gemv_isa() -> str:
     """The compiled path gemv takes now: "avx512" or "avx2" (the build's baseline)."""
     return _kernels().gemv_isa()
+
+
+PANEL_WIDTH = 48  # kPanelWidth in csrc/panel_gemm.cpp
+
+
+def panel_usable(dtype: torch.dtype) -> bool:
+    """panel_gemm runs on this CPU now for this dtype (AVX-512; bfloat16 also needs AVX512-BF16)."""
+    return dtype in DTYPES and available() and _kernels().panel_usable(dtype == torch.bfloat16)
+
+
+def pack_panels(weight: torch.Tensor) -> torch.Tensor:
+    """weight [N, K] as panel_gemm reads it: panels of PANEL_WIDTH outputs, K-major ([P, K, 48] in
+    float32; bfloat16 keeps neighbours along K in pairs, [P, ceil(K/2), 48, 2]); rows past N zero."""
+    n, k = weight.shape
+    w = torch.nn.functional.pad(weight.detach(), (0, k % 2 if weight.dtype == torch.bfloat16 else 0,
+                                                  0, -n % PANEL_WIDTH))
+    p = w.shape[0] // PANEL_WIDTH
+    if weight.dtype == torch.bfloat16:
+        return w.view(p, PANEL_WIDTH, w.shape[1] // 2, 2).permute(0, 2, 1, 3).contiguous()
+    return w.view(p, PANEL_WIDTH, k).transpose(1, 2).contiguous()
+
+
+def panel_gemm(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias) for any number of rows of x, panels = pack_panels(weight), n = the
+    weight's rows; float32 sums, rounded once to x's dtype."""
+    return _kernels().panel_gemm(x, panels, n, bias)
 
 
 def allow_avx512(allowed: bool) -> bool:

@@ -73,7 +73,7 @@ class CPUDecoderStack:
         self.cos, self.sin = attn.rotary.cos, attn.rotary.sin
         self.packed_rows = cpu_gemm.packed_rows(attn.qkv_proj.weight.dtype)
         self.row_multiple = cpu_gemm.row_multiple(attn.qkv_proj.weight.dtype)
-        self.gemv_max_rows = cpu_gemm.gemv_max_rows(attn.qkv_proj.weight.dtype)
+        self.dtype = attn.qkv_proj.weight.dtype
         self.weights: list[torch.Tensor] = []
         self.paged = [layer.attn.attn for layer in layers]  # their kv_scales, read at each call
         for layer in layers:  # the order of LayerWeight in decoder_stack.cpp
@@ -120,7 +120,8 @@ class CPUDecoderStack:
             h, self.weights, kv_caches, positions, self.cos, self.sin, meta.slot_mapping, groups, tables,
             meta.num_prefill_tokens, meta.decode_block_tables if decode else _NONE,
             meta.decode_context_lens if decode else _NONE, self.num_heads, self.num_kv_heads, self.head_dim,
-            self.eps, *self.packed_rows, self.row_multiple, self.gemv_max_rows,
+            self.eps, *self.packed_rows, self.row_multiple, cpu_gemm.gemv_max_rows(self.dtype),
+            cpu_gemm.panel_max_rows(self.dtype),
             [s for a in self.paged for s in a.kv_scales])
         return h, residual
 
@@ -130,10 +131,10 @@ def _or_none(t: torch.Tensor | None) -> torch.Tensor:
 
 
 def _linear(m: cpu_gemm.PrepackedMatmul) -> list[torch.Tensor]:
-    """[weight, oneDNN-packed weight or none, none], or for a quantized weight [blocks, block type,
-    row scales or none]."""
+    """[weight, oneDNN-packed weight or none, panels or none], or for a quantized weight [blocks,
+    block type, row scales or none]."""
     if m.quant is None:
-        return [m.weight, _or_none(m._packed), _NONE]
+        return [m.weight, _or_none(m._packed), _or_none(m._panels)]
     blocks = m.quant.blocks
     assert blocks is not None, "CPUDecoderStack.build takes quantized weights of one run of CPU blocks only"
     return [blocks.data, torch.tensor([int(blocks.block_type)]), _or_none(blocks.row_scale)]

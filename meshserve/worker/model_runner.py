@@ -17,7 +17,7 @@ from meshserve.distributed.expert_load import ExpertLoadRecorder
 from meshserve.distributed.parallel_state import get_parallel_state
 from meshserve.layers import cpu_kernels
 from meshserve.layers.attention import AttentionSpec, kv_cache_dtype, select_backend
-from meshserve.layers.cpu_gemm import prepack_model, warm_up_packed
+from meshserve.layers.cpu_gemm import panel_bytes, panel_max_rows, prepack_model, warm_up_packed
 from meshserve.layers.host_to_device import to_device
 from meshserve.layers.moe import SparseMoeBlock
 from meshserve.layers.quantization.assemble import assemble_quantized
@@ -104,6 +104,10 @@ class ModelRunner:
             cpu_kernels.available()  # compile (or load) them now, not during the first request
         prepack_model(self.model)
         if self.device.type == "cpu":
+            panels = panel_bytes(self.model)
+            if panels and self.ps.rank == 0:
+                logger.info("linear layers of up to %d rows take weight panels (AVX-512; csrc/panel_gemm.cpp): "
+                            "%.0f MiB more host memory", panel_max_rows(self.dtype), panels / 2 ** 20)
             self._warm_up_matmuls()
         if getattr(self.model, "cpu_stack", None) is not None and self.ps.rank == 0:
             logger.info("decoder layers run as one C++ loop (models/cpu_decoder_stack.py)")

@@ -310,10 +310,35 @@ def _gemv_row_counts():
         yield calls
 
 
-@pytest.mark.parametrize("rows", [1, 3, 4, 9, 16, 17, 64, 128, 129, 700])  # GEMV to 3 or 16, packed to _MAX_ROWS
+@contextlib.contextmanager
+def _panel_row_counts():
+    """The row count of every matmul the panels run from Python, in order."""
+    calls: list[int] = []
+    real = cpu_kernels.panel_gemm
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(cpu_kernels, "panel_gemm", lambda x, *a: calls.append(x.shape[0]) or real(x, *a))
+        yield calls
+
+
+def _small_row_limits(dtype, packing: bool) -> tuple[int, int]:
+    """(panel, GEMV) row limits this CPU must choose now: the panels to PANEL_MAX_ROWS where they
+    run (AVX-512; bfloat16 with AVX512-BF16) and then no GEMV; else the GEMV's AVX-512 path to
+    its measured crossover with oneDNN beside a packed weight, otherwise to the GEMV's limit."""
+    from meshserve.layers import cpu_gemm
+
+    avx512 = cpu_kernels.gemv_isa() == "avx512"
+    runs_panels = avx512 and (dtype == torch.float32 or "avx512_bf16" in cpu_flags())
+    panel = cpu_gemm.PANEL_MAX_ROWS if runs_panels else 0
+    gemv = 0 if panel else (cpu_gemm.GEMV_MAX_ROWS_BESIDE_PACKED[dtype] if packing and avx512
+                            else cpu_kernels.GEMV_MAX_ROWS)
+    assert (cpu_gemm.panel_max_rows(dtype), cpu_gemm.gemv_max_rows(dtype)) == (panel, gemv)
+    return panel, gemv
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4, 9, 16, 17, 64, 65, 128, 129, 700])  # panels/GEMV, packed to _MAX_ROWS
 @pytest.mark.parametrize("bias,lm_head", [(False, False), (True, False), (False, True)])
 def test_packed_linear_matches_f_linear(rows, bias, lm_head, isa):
-    from meshserve.layers.cpu_gemm import GEMV_MAX_ROWS_BESIDE_PACKED, gemv_max_rows, packed_rows
+    from meshserve.layers.cpu_gemm import packed_rows
     from meshserve.layers.embedding import ParallelLMHead
     from meshserve.layers.linear import ColumnParallelLinear
 
@@ -324,16 +349,14 @@ def test_packed_linear_matches_f_linear(rows, bias, lm_head, isa):
         lin.bias.data = torch.randn(200, generator=g)
     lin.prepack()
     assert lin._packed is not None
+    panel, gemv = _small_row_limits(torch.float32, packing=True)
+    assert (lin._panels is not None) == (panel > 0)
     x = torch.randn(rows, 96, generator=g)
-    with _packed_row_counts() as packed, _gemv_row_counts() as streamed:
+    with _packed_row_counts() as packed, _gemv_row_counts() as streamed, _panel_row_counts() as paneled:
         out = lin(x)
-    # the GEMV's AVX-512 path hands over to oneDNN at the crossover measured with it, the AVX2 one at its limit
-    avx512 = cpu_kernels.gemv_isa() == "avx512"
-    most = GEMV_MAX_ROWS_BESIDE_PACKED[torch.float32] if avx512 else cpu_kernels.GEMV_MAX_ROWS
-    assert gemv_max_rows(torch.float32) == most
-    gemv = rows <= most
-    assert streamed == ([rows] if gemv else [])
-    assert packed == ([rows] if not gemv and rows <= packed_rows(torch.float32)[1] else [])
+    assert paneled == ([rows] if rows <= panel else [])
+    assert streamed == ([rows] if rows <= gemv else [])
+    assert packed == ([rows] if max(panel, gemv) < rows <= packed_rows(torch.float32)[1] else [])
     torch.testing.assert_close(out, F.linear(x, lin.weight, getattr(lin, "bias", None)), rtol=1e-5, atol=1e-4)
 
 
@@ -357,8 +380,8 @@ def _bf16_packing_paths() -> list[bool]:
 
 
 @pytest.mark.parametrize("packing", _bf16_packing_paths())
-@pytest.mark.parametrize("rows", [1, 3, 6, 7, 16, 129, 700])
-def test_bf16_packed_linear_takes_every_row_count(rows, packing, monkeypatch):
+@pytest.mark.parametrize("rows", [1, 3, 6, 7, 16, 64, 65, 129, 700])
+def test_bf16_packed_linear_takes_every_row_count(rows, packing, monkeypatch, isa):
     from meshserve.layers import cpu_gemm
     from meshserve.layers.linear import ColumnParallelLinear
 
@@ -370,23 +393,22 @@ def test_bf16_packed_linear_takes_every_row_count(rows, packing, monkeypatch):
     lin.prepack()
     assert (lin._packed is not None) == packing
     x = torch.randn(rows, 96, generator=g).bfloat16()
-    with _packed_row_counts() as calls, _gemv_row_counts() as streamed:
+    with _packed_row_counts() as calls, _gemv_row_counts() as streamed, _panel_row_counts() as paneled:
         out = lin(x)
-    # a few rows stream the weight as stored (to the crossover with oneDNN where bf16 packs, else to
-    # the GEMV's limit); oneDNN sees more rows padded to whole AMX tiles (one primitive per 16 rows,
-    # not per row count); a CPU that cannot pack bf16 (AVX2 only) runs F.linear past the GEMV
-    most = cpu_gemm.gemv_max_rows(torch.bfloat16)
-    beside_packed = packing and cpu_kernels.gemv_isa() == "avx512"
-    assert most == (cpu_gemm.GEMV_MAX_ROWS_BESIDE_PACKED[torch.bfloat16] if beside_packed
-                    else cpu_kernels.GEMV_MAX_ROWS)
-    gemv = rows <= most
-    assert streamed == ([rows] if gemv else [])
+    # a few rows take the panels or stream the weight as stored (_small_row_limits); oneDNN sees
+    # more rows padded to whole AMX tiles (one primitive per 16 rows, not per row count); a CPU
+    # that cannot pack bf16 (AVX2 only) runs F.linear past the GEMV
+    panel, most = _small_row_limits(torch.bfloat16, packing)
+    assert (lin._panels is not None) == (panel > 0)
+    assert paneled == ([rows] if rows <= panel else [])
+    assert streamed == ([rows] if rows <= most else [])
+    gemv = rows <= max(panel, most)
     assert calls == ([-(-rows // 16) * 16] if packing and not gemv else [])
     assert out.dtype == torch.bfloat16 and out.shape == (rows, 200)
     expected = F.linear(x.float(), lin.weight.float(), lin.bias.float())
     torch.testing.assert_close(out.float(), expected, rtol=1e-2, atol=5e-2)
     # a row's result is the same whatever else shares its step (the rows of one path, padded or not)
-    width = 1 if gemv else most + 1
+    width = 1 if gemv else max(panel, most) + 1
     alone = torch.cat([lin(x[i:i + width])[:1] for i in range(min(rows - width + 1, 20))])
     assert torch.equal(alone, out[:len(alone)])
 
@@ -409,22 +431,23 @@ def test_warm_up_builds_the_row_counts_that_steps_bring(tmp_path, dtype):
     from meshserve.worker.step import SeqStep, StepInput
 
     with _packed_row_counts() as warmed:  # the runner builds them as it starts
-        runner = tiny_runner(tmp_path, dtype=dtype, max_num_seqs=8, prefill_chunk_with_decodes=24)
+        runner = tiny_runner(tmp_path, max_model_len=128, dtype=dtype, max_num_seqs=8, prefill_chunk_with_decodes=88)
     if dtype == "float32" or not onednn_packs_bf16():  # unpadded row counts: too many to build ahead
         assert warmed == []
         return
-    # from the first row past the GEMV's in whole tiles of 16: four decoder weight shapes up to 24 + 8
-    # token rows (16 and 32), and the LM head up to its 8 sequences (16)
-    from meshserve.layers.cpu_gemm import gemv_max_rows
-    assert gemv_max_rows(torch.bfloat16) < 8
-    assert sorted(warmed) == [16] * 5 + [32] * 4
+    # from the first row past the panels' or the GEMV's in whole tiles of 16: four decoder weight
+    # shapes up to 88 + 8 token rows, and the LM head up to its 8 sequences
+    from meshserve.layers.cpu_gemm import gemv_max_rows, panel_max_rows
+    first = -(-(max(gemv_max_rows(torch.bfloat16), panel_max_rows(torch.bfloat16)) + 1) // 16) * 16
+    assert sorted(warmed) == sorted([r for r in range(first, 97, 16) for _ in range(4)] + ([16] if first <= 16 else []))
     model = runner.model
     model.cpu_stack = None  # the module path, whose matmuls Python sees
     runner.init_kv_cache(64)
     greedy = SamplingParams(temperature=0)
-    steps = [StepInput([SeqStep(i, [1 + i] * (3 + i), 0, [i], True, greedy) for i in range(5)]),  # 5 prompts
-             StepInput([SeqStep(5, [7] * 24, 0, [5, 6], True, greedy)]  # a capped chunk beside 5 decodes
-                       + [SeqStep(i, [2], 3 + i, [i], True, greedy) for i in range(5)])]
+    block = runner.config.block_size
+    steps = [StepInput([SeqStep(i, [1 + i] * (block - 5 + i), 0, [i], True, greedy) for i in range(5)]),  # 5 prompts
+             StepInput([SeqStep(5, [7] * 88, 0, list(range(5, 5 + -(-88 // block))), True, greedy)]  # a chunk
+                       + [SeqStep(i, [2], block - 5 + i, [i], True, greedy) for i in range(5)])]  # beside 5 decodes
     with _packed_row_counts() as used, torch.inference_mode():
         for step in steps:
             hidden, rows = runner.forward(step)

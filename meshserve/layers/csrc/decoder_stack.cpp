@@ -13,7 +13,7 @@ namespace {
 
 // Per layer, in this order (cpu_decoder_stack.py builds the list); an empty tensor means "none".
 // Each linear layer takes three: its weight, then for a float weight the oneDNN-packed copy and
-// nothing, for a quantized one (uint8 blocks) its block type (one int64) and row scales.
+// its panels (panel_gemm.cpp) or none, for a quantized one (uint8 blocks) its block type (one int64) and row scales.
 enum LayerWeight : int64_t {
   kInputNorm, kQKV, kQKVAux, kQKVScale, kQKVBias, kO, kOAux, kOScale, kPostNorm, kGateUp, kGateUpAux,
   kGateUpScale, kDown, kDownAux, kDownScale, kWeightsPerLayer
@@ -24,13 +24,14 @@ bool present(const torch::Tensor& t) { return t.defined() && t.numel() > 0; }
 struct PackedRows {  // the row counts that take the packed weight (cpu_gemm.PACKED_MIN_ROWS / _MAX_ROWS)
   int64_t min, max;
   int64_t gemv_max;  // up to this many rows, the weight as stored through gemv (cpu_gemm.gemv_max_rows)
+  int64_t panel_max;  // up to this many rows, the panels through panel_gemm (cpu_gemm.panel_max_rows)
 };
 
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor* w, const torch::Tensor& bias,
                      const PackedRows& rows) {
   // The same choice as cpu_gemm.PrepackedMatmul.matmul and quantization/matmul.py: a few rows
-  // through the GEMV of the weight as stored, float or quantized; more rows through oneDNN on the
-  // packed weight, MKL beyond; quantized weights through qmatmul whatever the rows.
+  // through the panels or the GEMV of the weight as stored, float or quantized; more rows through
+  // oneDNN on the packed weight, MKL beyond; quantized weights through qmatmul whatever the rows.
   const torch::Tensor& weight = w[0];
   const torch::Tensor& packed = w[1];
   std::optional<torch::Tensor> b;
@@ -41,6 +42,7 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor* w, const torch
     if (present(w[2])) scale = w[2];
     return qmatmul(x, weight, type, scale, b);
   }
+  if (present(w[2]) && x.size(0) <= rows.panel_max) return panel_gemm(x.contiguous(), w[2], weight.size(0), b);
   if (x.size(0) <= rows.gemv_max) return gemv(x.contiguous(), weight, b);
   if (present(packed) && rows.min <= x.size(0) && x.size(0) <= rows.max) {
     static auto op = c10::Dispatcher::singleton()
@@ -156,18 +158,19 @@ std::vector<torch::Tensor> decoder_stack(torch::Tensor h, std::vector<torch::Ten
                                          torch::Tensor decode_lens, int64_t num_heads, int64_t num_kv_heads,
                                          int64_t head_dim, double eps, int64_t packed_min_rows,
                                          int64_t packed_max_rows, int64_t row_multiple, int64_t gemv_max_rows,
-                                         std::vector<double> kv_scales) {
+                                         int64_t panel_max_rows, std::vector<double> kv_scales) {
   pybind11::gil_scoped_release no_gil;
   TORCH_CHECK(weights.size() == kv_caches.size() * kWeightsPerLayer, "decoder_stack: weights per layer mismatch");
   TORCH_CHECK(prefill_groups.size() % 4 == 0 && prefill_tables.size() * 4 == prefill_groups.size());
   TORCH_CHECK(kv_scales.size() == 2 * kv_caches.size(), "decoder_stack: a k_scale and a v_scale per layer");
   const StepAttention step{slot_mapping, prefill_groups, prefill_tables, num_prefill_tokens, decode_tables,
                            decode_lens};
-  const PackedRows packed_rows{packed_min_rows, packed_max_rows, gemv_max_rows};
+  const PackedRows packed_rows{packed_min_rows, packed_max_rows, gemv_max_rows, panel_max_rows};
   const int64_t H = num_heads, KVH = num_kv_heads, D = head_dim, T = h.size(0);
   TORCH_CHECK(!kv_caches.empty(), "decoder_stack: no layers");
   TORCH_CHECK(row_multiple >= 1, "decoder_stack: row_multiple must be >= 1");
-  if (T <= gemv_max_rows) row_multiple = 1;  // gemv takes any row count: no padding for oneDNN
+  // gemv and panel_gemm take any row count: no padding for oneDNN
+  if (T <= std::max(gemv_max_rows, panel_max_rows)) row_multiple = 1;
   const int64_t rows = (T + row_multiple - 1) / row_multiple * row_multiple;
   if (rows != T) h = at::constant_pad_nd(h, {0, 0, 0, rows - T});
   torch::Tensor residual;

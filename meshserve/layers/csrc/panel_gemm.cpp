@@ -1,0 +1,164 @@
+// Matmuls of a few to a few dozen rows on a weight packed in panels: y[M, N] = x[M, K] @ w[N, K]^T
+// (+ bias), AVX-512 only (float32; bfloat16 with AVX512-BF16).
+//
+// The GEMV (gemv.cpp) sums along K and ends in a horizontal add per output: right for one row,
+// compute-bound from a few rows on. Here the outputs run across the lanes instead. A panel holds
+// kPanelWidth consecutive outputs (three vectors of 16), stored K-major ([K][48]), so one panel is
+// one sequential stream: at each k the kernel loads the panel's three weight vectors once and
+// multiplies them by up to kPanelRows rows of x, each broadcast from a transposed copy of x that
+// stays in L1. Its 24 accumulators are independent FMA chains, enough to keep both FMA pipes busy
+// with no reduction at the end; the weight is read from memory once a step and, for more rows than
+// one register block holds, from L2 for the later blocks of the same panel.
+//
+// bfloat16 panels keep pairs of neighbours along K together ([K/2][48][2]) so that one
+// vdpbf16ps multiplies a pair of x's values, broadcast as one 32-bit lane, by 16 outputs' pairs:
+// x and the weight as they are stored, products summed in float32, as oneDNN's bfloat16 matmul does.
+
+constexpr int64_t kPanelVectors = 3;
+constexpr int64_t kPanelWidth = 16 * kPanelVectors;  // outputs per panel (cpu_kernels.PANEL_WIDTH)
+constexpr int64_t kPanelRows = 8;                    // rows of x per register block
+constexpr int64_t kPanelPrefetchBytes = 4096;
+
+template <int MR>
+using PanelAcc = __m512[MR][kPanelVectors];
+
+// One register block: MR rows of x against one panel, over all of K. xt: x transposed, [K][ldx]
+// (float32) or [K/2][ldx] (bfloat16 pairs as 32-bit lanes), offset to the block's first row.
+template <int MR>
+AVX512 static inline void panel_block_f32(const float* panel, const float* xt, int64_t ldx, int64_t K,
+                                          PanelAcc<MR>& acc) {
+  for (int m = 0; m < MR; ++m)
+    for (int v = 0; v < kPanelVectors; ++v) acc[m][v] = _mm512_setzero_ps();
+  constexpr int64_t ahead = kPanelPrefetchBytes / sizeof(float);
+  for (int64_t k = 0; k < K; ++k) {
+    const float* wk = panel + k * kPanelWidth;
+    for (int v = 0; v < kPanelVectors; ++v) _mm_prefetch(reinterpret_cast<const char*>(wk + ahead + 16 * v), _MM_HINT_T0);
+    const __m512 w0 = _mm512_loadu_ps(wk), w1 = _mm512_loadu_ps(wk + 16), w2 = _mm512_loadu_ps(wk + 32);
+    const float* xk = xt + k * ldx;
+    for (int m = 0; m < MR; ++m) {
+      const __m512 xb = _mm512_set1_ps(xk[m]);
+      acc[m][0] = _mm512_fmadd_ps(xb, w0, acc[m][0]);
+      acc[m][1] = _mm512_fmadd_ps(xb, w1, acc[m][1]);
+      acc[m][2] = _mm512_fmadd_ps(xb, w2, acc[m][2]);
+    }
+  }
+}
+
+template <int MR>
+AVX512_BF16 static inline void panel_block_bf16(const bf16* panel, const uint32_t* xt, int64_t ldx, int64_t K2,
+                                                PanelAcc<MR>& acc) {
+  for (int m = 0; m < MR; ++m)
+    for (int v = 0; v < kPanelVectors; ++v) acc[m][v] = _mm512_setzero_ps();
+  constexpr int64_t ahead = kPanelPrefetchBytes / sizeof(bf16);
+  for (int64_t k = 0; k < K2; ++k) {
+    const bf16* wk = panel + k * 2 * kPanelWidth;
+    for (int v = 0; v < kPanelVectors; ++v) _mm_prefetch(reinterpret_cast<const char*>(wk + ahead + 32 * v), _MM_HINT_T0);
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wk), w1 = (__m512bh)_mm512_loadu_si512(wk + 32),
+                   w2 = (__m512bh)_mm512_loadu_si512(wk + 64);
+    const uint32_t* xk = xt + k * ldx;
+    for (int m = 0; m < MR; ++m) {
+      const __m512bh xb = (__m512bh)_mm512_set1_epi32(static_cast<int>(xk[m]));
+      acc[m][0] = _mm512_dpbf16_ps(acc[m][0], xb, w0);
+      acc[m][1] = _mm512_dpbf16_ps(acc[m][1], xb, w1);
+      acc[m][2] = _mm512_dpbf16_ps(acc[m][2], xb, w2);
+    }
+  }
+}
+
+// The block's outputs into y's rows m0.. (columns n0.., at most kPanelWidth of them, fewer in the
+// last panel), plus the bias, rounded once to W.
+template <int MR, typename W>
+AVX512 static inline void panel_store(PanelAcc<MR>& acc, const W* bias, W* y, int64_t N, int64_t m0, int64_t n0) {
+  const int64_t width = std::min(kPanelWidth, N - n0);
+  alignas(64) float out[kPanelWidth];
+  for (int m = 0; m < MR; ++m) {
+    for (int v = 0; v < kPanelVectors; ++v) _mm512_store_ps(out + 16 * v, acc[m][v]);
+    W* row = y + (m0 + m) * N + n0;
+    for (int64_t j = 0; j < width; ++j) row[j] = store<W>(bias ? out[j] + f32(bias[n0 + j]) : out[j]);
+  }
+}
+
+// One register block through the kernel of W's dtype (each compiled for only the ISA it needs).
+template <int MR>
+AVX512 static void panel_rows(const float* panel, const void* xt, int64_t ldx, int64_t K, const float* bias,
+                              float* y, int64_t N, int64_t m0, int64_t n0) {
+  PanelAcc<MR> acc;
+  panel_block_f32<MR>(panel, static_cast<const float*>(xt) + m0, ldx, K, acc);
+  panel_store<MR>(acc, bias, y, N, m0, n0);
+}
+
+template <int MR>
+AVX512_BF16 static void panel_rows(const bf16* panel, const void* xt, int64_t ldx, int64_t K, const bf16* bias,
+                                   bf16* y, int64_t N, int64_t m0, int64_t n0) {
+  PanelAcc<MR> acc;
+  panel_block_bf16<MR>(panel, static_cast<const uint32_t*>(xt) + m0, ldx, (K + 1) / 2, acc);
+  panel_store<MR>(acc, bias, y, N, m0, n0);
+}
+
+template <typename W>
+static void panel_group(const W* panel, const void* xt, int64_t ldx, int64_t K, const W* bias, W* y, int64_t N,
+                        int64_t m0, int64_t rows, int64_t n0) {
+  switch (rows) {
+#define PANEL_CASE(r) \
+  case r:             \
+    return panel_rows<r>(panel, xt, ldx, K, bias, y, N, m0, n0);
+    PANEL_CASE(1) PANEL_CASE(2) PANEL_CASE(3) PANEL_CASE(4) PANEL_CASE(5) PANEL_CASE(6) PANEL_CASE(7) PANEL_CASE(8)
+#undef PANEL_CASE
+  }
+}
+
+// Whether panel_gemm runs on this CPU now for weights of this dtype.
+bool panel_usable(bool bfloat16) { return bfloat16 ? cpu_has_avx512_bf16() : cpu_has_avx512(); }
+
+// panels: cpu_kernels.pack_panels(weight): [P, K, 48] float32 or [P, ceil(K/2), 48, 2] bfloat16,
+// outputs past N zero. N: the weight's rows.
+torch::Tensor panel_gemm(torch::Tensor x, torch::Tensor panels, int64_t N, c10::optional<torch::Tensor> bias) {
+  check_rows(x, "panel_gemm");
+  const bool bfloat16 = x.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(panel_usable(bfloat16), "panel_gemm: needs AVX-512 (and AVX512-BF16 for bfloat16) on this CPU");
+  const int64_t M = x.size(0), K = x.size(1), P = panels.size(0), K2 = (K + 1) / 2;
+  TORCH_CHECK(panels.is_contiguous() && panels.scalar_type() == x.scalar_type() && P == (N + kPanelWidth - 1) / kPanelWidth,
+              "panel_gemm: panels must be pack_panels(weight) of x's dtype for ", N, " outputs");
+  TORCH_CHECK(bfloat16 ? (panels.dim() == 4 && panels.size(1) == K2 && panels.size(2) == kPanelWidth && panels.size(3) == 2)
+                       : (panels.dim() == 3 && panels.size(1) == K && panels.size(2) == kPanelWidth),
+              "panel_gemm: x has ", K, " columns, not the inputs its panels were packed for");
+  if (bias)
+    TORCH_CHECK(bias->is_contiguous() && bias->numel() == N && bias->scalar_type() == x.scalar_type(),
+                "panel_gemm: bias of N values of x's dtype");
+  auto y = torch::empty({M, N}, x.options());
+  if (M == 0) return y;
+  // x transposed ([K][M] float32, or [K/2][M] bfloat16 pairs): each k's rows side by side, so a
+  // register block broadcasts them from one cache line.
+  thread_local std::vector<uint32_t> scratch;
+  const int64_t ldx = M, ldr = x.stride(0);
+  scratch.assign((bfloat16 ? K2 : K) * M, 0u);
+  dispatch(x, "panel_gemm", [&](auto tag) {
+    using W = decltype(tag);
+    const W* xp = x.data_ptr<W>();
+    if constexpr (std::is_same_v<W, bf16>) {
+      auto* half = reinterpret_cast<uint16_t*>(scratch.data());  // little-endian: k even in the low half
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t k = 0; k < K; ++k) half[((k / 2) * ldx + m) * 2 + (k & 1)] = xp[m * ldr + k].x;
+    } else {
+      auto* xt = reinterpret_cast<float*>(scratch.data());
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t k = 0; k < K; ++k) xt[k * ldx + m] = xp[m * ldr + k];
+    }
+    const W* pp = panels.data_ptr<W>();
+    const W* bp = bias ? bias->data_ptr<W>() : nullptr;
+    W* yp = y.data_ptr<W>();
+    const void* xt = scratch.data();
+    const int64_t panel_values = bfloat16 ? K2 * 2 * kPanelWidth : K * kPanelWidth;
+    // Row blocks of near-equal size (12 rows: two of 6, not 8 and 4).
+    const int64_t blocks = (M + kPanelRows - 1) / kPanelRows;
+    at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+      for (int64_t p = p0; p < p1; ++p)
+        for (int64_t b = 0, m0 = 0; b < blocks; ++b) {
+          const int64_t rows = M / blocks + (b < M % blocks ? 1 : 0);
+          panel_group<W>(pp + p * panel_values, xt, ldx, K, bp, yp, N, m0, rows, p * kPanelWidth);
+          m0 += rows;
+        }
+    });
+  });
+  return y;
+}

@@ -1,0 +1,73 @@
+"""The panel GEMM (csrc/panel_gemm.cpp): the product of the stored values for any row count, each
+row's result independent of the rows beside it, and refusals of what it cannot compute."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from meshserve.layers import cpu_kernels
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _runs(dtype: torch.dtype) -> None:
+    if not cpu_kernels.panel_usable(dtype):
+        pytest.skip(f"panel_gemm needs AVX-512{' and AVX512-BF16' if dtype == torch.bfloat16 else ''} here")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n,k", [(1, 1), (47, 3), (48, 96), (49, 97), (200, 96), (1027, 576)])
+def test_panels_hold_the_weight_k_major(n, k, dtype):
+    w = torch.randn(n, k).to(dtype)
+    panels = cpu_kernels.pack_panels(w)
+    width = cpu_kernels.PANEL_WIDTH
+    if dtype == torch.bfloat16:
+        unpacked = panels.permute(0, 2, 1, 3).reshape(-1, panels.shape[1] * 2)
+    else:
+        unpacked = panels.transpose(1, 2).reshape(-1, k)
+    assert unpacked.shape[0] == -(-n // width) * width
+    assert torch.equal(unpacked[:n, :k], w)
+    assert not unpacked[n:].any() and not unpacked[:, k:].any()  # padding is zero
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [0, 1, 2, 5, 8, 9, 12, 16, 17, 33, 64, 70])
+def test_panel_gemm_is_the_float32_product_of_the_stored_values(rows, dtype):
+    """Every register-block split of the rows (8 at most per block), output counts that leave a
+    partial last panel and inner sizes odd and even."""
+    _runs(dtype)
+    g = torch.Generator().manual_seed(rows)
+    for n, k in [(1, 1), (47, 13), (49, 97), (200, 96), (1027, 576)]:
+        w = torch.randn(n, k, generator=g).to(dtype)
+        b = torch.randn(n, generator=g).to(dtype)
+        wide = torch.randn(rows, k + 5, generator=g).to(dtype)
+        x = wide[:, :k]  # rows with a stride past their length, as slices of a fused output are
+        panels = cpu_kernels.pack_panels(w)
+        out = cpu_kernels.panel_gemm(x, panels, n, b)
+        assert out.dtype == dtype and out.shape == (rows, n)
+        expected = F.linear(x.double(), w.double(), b.double())
+        # float32: the same sum in another order; bfloat16: products exact, summed in float32, rounded once
+        tol = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=2 ** -7, atol=2 ** -7)
+        torch.testing.assert_close(out.double(), expected, **tol)
+        torch.testing.assert_close(cpu_kernels.panel_gemm(x, panels, n), F.linear(x.double(), w.double()).to(dtype),
+                                   **tol, check_dtype=False)
+        # a row's result does not depend on how many rows share the call
+        for i in range(0, rows, 7):
+            assert torch.equal(cpu_kernels.panel_gemm(x[i:i + 1], panels, n, b), out[i:i + 1])
+
+
+def test_panel_gemm_refuses_what_it_cannot_compute():
+    _runs(torch.float32)
+    w = torch.randn(100, 32)
+    panels = cpu_kernels.pack_panels(w)
+    with pytest.raises(RuntimeError, match="200 outputs"):
+        cpu_kernels.panel_gemm(torch.randn(2, 32), panels, 200)
+    with pytest.raises(RuntimeError, match="31 columns"):
+        cpu_kernels.panel_gemm(torch.randn(2, 31), panels, 100)
+    with pytest.raises(RuntimeError, match="dtype"):
+        cpu_kernels.panel_gemm(torch.randn(2, 32).bfloat16(), panels, 100)
+    previous = cpu_kernels.allow_avx512(False)
+    try:
+        with pytest.raises(RuntimeError, match="AVX-512"):
+            cpu_kernels.panel_gemm(torch.randn(2, 32), panels, 100)
+    finally:
+        cpu_kernels.allow_avx512(previous)
