@@ -9,8 +9,8 @@ and that rate over the read bandwidth measured in the same run (a sum over a 1 G
 on the threads the engine uses). Goal: float32 and bfloat16 batch-1 decode at >= 85% of it.
 
 Each variant runs in its own process, in turns (rounds), so the machine's drift falls on all of
-them: float32 and bfloat16, each with the decode GEMV (csrc/gemv.cpp) and without it
-(MESHSERVE_DISABLE_GEMV=1: MKL / oneDNN as before), the ratio between them printed. With
+them: float32 and bfloat16, each with the decode GEMV and weight panels (csrc/gemv.cpp,
+csrc/panel_gemm.cpp) and without them (MESHSERVE_DISABLE_GEMV=1: oneDNN / MKL), the ratio between them printed. With
 `--quantizations none gguf int8` the weights are also served quantized (`--quantization`; gguf: the
 embedded file's own Q4_1 blocks), and each `--gguf FILE` adds that file served as stored (a Q8_0 of
 the same weights, say). With `--llama-bench PATH` llama.cpp's `llama-bench -p 0 -n 128` on each
