@@ -301,23 +301,26 @@ def test_gemv_refuses_what_it_cannot_compute():
 
 
 @contextlib.contextmanager
+def _row_counts(owner, name: str):
+    """The row count of every matmul `owner.name` runs from Python, in order."""
+    calls: list[int] = []
+    real = getattr(owner, name)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(owner, name, lambda x, *a: calls.append(x.shape[0]) or real(x, *a))
+        yield calls
+
+
 def _gemv_row_counts():
-    """The row count of every matmul the GEMV runs from Python, in order."""
-    calls: list[int] = []
-    real = cpu_kernels.gemv
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(cpu_kernels, "gemv", lambda x, *a: calls.append(x.shape[0]) or real(x, *a))
-        yield calls
+    return _row_counts(cpu_kernels, "gemv")
 
 
-@contextlib.contextmanager
 def _panel_row_counts():
-    """The row count of every matmul the panels run from Python, in order."""
-    calls: list[int] = []
-    real = cpu_kernels.panel_gemm
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(cpu_kernels, "panel_gemm", lambda x, *a: calls.append(x.shape[0]) or real(x, *a))
-        yield calls
+    return _row_counts(cpu_kernels, "panel_gemm")
+
+
+def _packed_row_counts():
+    """oneDNN's matmuls on a packed weight."""
+    return _row_counts(torch.ops.mkldnn, "_linear_pointwise")
 
 
 def _small_row_limits(dtype, packing: bool) -> tuple[int, int]:
@@ -411,16 +414,6 @@ def test_bf16_packed_linear_takes_every_row_count(rows, packing, monkeypatch, is
     width = 1 if gemv else max(panel, most) + 1
     alone = torch.cat([lin(x[i:i + width])[:1] for i in range(min(rows - width + 1, 20))])
     assert torch.equal(alone, out[:len(alone)])
-
-
-@contextlib.contextmanager
-def _packed_row_counts():
-    """The row count of every matmul oneDNN runs on a packed weight from Python, in order."""
-    calls: list[int] = []
-    real = torch.ops.mkldnn._linear_pointwise
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda x, *a: calls.append(x.shape[0]) or real(x, *a))
-        yield calls
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
