@@ -28,7 +28,7 @@ from meshserve.models.loader import ModelSource
 from meshserve.models.model_config import ModelConfig
 from meshserve.models.registry import model_class
 from meshserve.sampling_params import SamplingParams
-from meshserve.utils.heap import release_free_heap
+from meshserve.utils.heap import keep_freed_heap, release_free_heap
 from meshserve.worker.cuda_graphs import DecodeGraphInputs, DecodeGraphs, capture_sizes, graphs_disabled_reason
 from meshserve.worker.memory_budget import (
     DeviceMemoryProfile,
@@ -236,6 +236,10 @@ class ModelRunner:
         spare = 1 if self.graph_sizes else 0
         shape = (2, num_blocks + spare, self.block_size, self.num_kv_heads, self.head_dim)
         self.kv_caches = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device) for _ in self.model.layers]
+        if self.device.type == "cpu":  # what loading left is given back once; what steps free is kept
+            release_free_heap()
+            if keep_freed_heap() and self.ps.rank == 0:
+                logger.info("freed step buffers stay in the heap (glibc mallopt): no page faults per step")
         if self.graph_sizes:
             self._capture_graphs(pad_block=num_blocks)
 

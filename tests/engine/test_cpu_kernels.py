@@ -64,10 +64,10 @@ def kernel():
 
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (9, 3), (8, 2)])  # GQA ratios 1, 3 and 4
 @pytest.mark.parametrize("table_kind", ["scattered", "shared_prefix", "padded"])
-# The two compiled-in sizes, and run-time ones with a tail past the 16-column value chunks (72) and
-# past the 8-wide key dot products too (76).
+# The two compiled-in sizes (AVX-512: sixteen keys at a time; AVX2: eight), and run-time ones with
+# a tail past the 16-column value chunks (72) and past the 8-wide key dot products too (76).
 @pytest.mark.parametrize("head_dim", [64, 128, 72, 76])
-def test_kernel_equals_pytorch_path(heads, kv_heads, table_kind, head_dim):
+def test_kernel_equals_pytorch_path(heads, kv_heads, table_kind, head_dim, isa):
     lens = [1, 2, 15, 16, 17, 32, 33, 47, 100, 321]  # single token, either side of block boundaries, long
     q, k_cache, v_cache, tables, mask, lens_t = _case(lens, heads, kv_heads, table_kind, heads + kv_heads, head_dim)
     expected = gathered_decode(q, k_cache, v_cache, tables, mask)

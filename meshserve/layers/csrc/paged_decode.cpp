@@ -225,12 +225,12 @@ static void paged_decode_impl(const T* qp, const C* kp, const C* vp, T* op, cons
 // another order. Values are widened to float32 in registers; probabilities stay float32. Compiled
 // for these instructions alone and chosen at run time, as the element-wise rows (cpu_kernels.cpp).
 #define AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma")))
-// What the parts that the fp8 path shares take (a subset of the above: inlined into either).
-#define AVX512_FP8 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma")))
+// What the parts that the float32 path shares take (a subset of the above: inlined into either).
+#define AVX512_F32 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma")))
 
 // Lane j of the result is the sum of a[j]'s sixteen lanes (a transposing tree of adds: 45 shuffles
 // and adds for sixteen sums where one vector at a time would take 16 x 8).
-AVX512_FP8 static inline __m512 lane_sums16(const __m512* a) {
+AVX512_F32 static inline __m512 lane_sums16(const __m512* a) {
   __m512 b[8], c[4], d[2];
   for (int i = 0; i < 8; ++i)  // per 128-bit lane: a[2i], a[2i+1], a[2i], a[2i+1]
     b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
@@ -262,18 +262,19 @@ AVX512_BF16 static inline void scores16(const bf16* q, const bf16* k, int64_t ro
   _mm512_mask_storeu_ps(out, static_cast<__mmask16>((1u << count) - 1u), s);
 }
 
-// Sixteen consecutive cached values as float32 (bfloat16 or fp8).
-AVX512_FP8 static inline __m512 load16(const bf16* p) {
+// Sixteen consecutive cached values as float32 (float32, bfloat16 or fp8).
+AVX512_F32 static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+AVX512_F32 static inline __m512 load16(const bf16* p) {
   return _mm512_castsi512_ps(
       _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
 }
-AVX512_FP8 static inline __m256i bytes16_as_u16(const void* p) {
+AVX512_F32 static inline __m256i bytes16_as_u16(const void* p) {
   return _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
-AVX512_FP8 static inline __m512 load16(const fp8e5m2* p) {
+AVX512_F32 static inline __m512 load16(const fp8e5m2* p) {
   return _mm512_cvtph_ps(_mm256_slli_epi16(bytes16_as_u16(p), 8));
 }
-AVX512_FP8 static inline __m512 load16(const fp8e4m3* p) {
+AVX512_F32 static inline __m512 load16(const fp8e4m3* p) {
   const __m256i b = bytes16_as_u16(p);
   const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8),
                                     _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7F)), 7));
@@ -283,7 +284,7 @@ AVX512_FP8 static inline __m512 load16(const fp8e4m3* p) {
 // o[h] (HB heads, NC x 16 floats each) = sum over the sequence's tokens t of p[h * L + t] * V[t]:
 // each V row is widened once and serves the HB heads, whose accumulators stay in registers.
 template <int NC, int HB, typename V>
-AVX512_FP8 static void weighted_values(const float* p, int64_t L, const V* vp, const int64_t* table, int64_t bs,
+AVX512_F32 static void weighted_values(const float* p, int64_t L, const V* vp, const int64_t* table, int64_t bs,
                                        int64_t row, float* o) {
   constexpr int64_t D = 16 * NC;
   __m512 acc[HB][NC];
@@ -308,7 +309,7 @@ AVX512_FP8 static void weighted_values(const float* p, int64_t L, const V* vp, c
 
 // Up to 16 / NC heads of one group at a time: their accumulators fill at most half the registers.
 template <int NC, typename V>
-AVX512_FP8 static void weighted_values_heads(int64_t heads, const float* p, int64_t L, const V* vp,
+AVX512_F32 static void weighted_values_heads(int64_t heads, const float* p, int64_t L, const V* vp,
                                              const int64_t* table, int64_t bs, int64_t row, float* o) {
   constexpr int64_t HB = 16 / NC, D = 16 * NC;
   for (int64_t h = 0; h < heads; h += HB) {
@@ -361,14 +362,16 @@ static void paged_decode_bf16(const bf16* qp, const bf16* kp, const bf16* vp, bf
   });
 }
 
-// ---- fp8 caches on CPUs with AVX-512 ---------------------------------------------------------------
-// The query in float32 (widened once per sequence), each key's bytes widened in registers (load16)
-// and multiplied in float32 FMAs; the values as in the bfloat16 path.
+// ---- float32 and fp8 caches on CPUs with AVX-512 ----------------------------------------------------
+// The query in float32 (widened once per sequence), each key read (an fp8 one widened in registers:
+// load16) and multiplied in float32 FMAs, sixteen keys at a time; the values as in the bfloat16
+// path. On float32 caches this is 1.15x the AVX2 loop above (benchmarks/decode_attention.py, 64
+// sequences of 320 tokens, caches larger than the last-level cache).
 
 // Scores of one query head (NC x 16 floats) against up to 16 keys `row` elements apart; keys past
 // `count` re-read the last one and are not stored.
 template <int NC, typename C>
-AVX512_FP8 static inline void scores16_fp8(const float* q, const C* k, int64_t row, int64_t count, float scale,
+AVX512_F32 static inline void scores16_f32(const float* q, const C* k, int64_t row, int64_t count, float scale,
                                            float* out) {
   __m512 qv[NC];
   for (int c = 0; c < NC; ++c) qv[c] = _mm512_loadu_ps(q + 16 * c);
@@ -385,7 +388,7 @@ AVX512_FP8 static inline void scores16_fp8(const float* q, const C* k, int64_t r
 
 // One sequence: q [H, D] float32 in, ob [H, D] unnormalised output and inv_sum [H] out.
 template <int NC, typename C>
-AVX512_FP8 static void decode_sequence_fp8(const float* q, const C* kp, const C* vp, const int64_t* table, int64_t L,
+AVX512_F32 static void decode_sequence_f32(const float* q, const C* kp, const C* vp, const int64_t* table, int64_t L,
                                            int64_t H, int64_t KVH, int64_t bs, float scale, std::vector<float>& p,
                                            float* ob, float* inv_sum) {
   constexpr int64_t D = 16 * NC;
@@ -397,7 +400,7 @@ AVX512_FP8 static void decode_sequence_fp8(const float* q, const C* kp, const C*
     const C* kb = kp + table[t0 / bs] * bs * row;
     for (int64_t h = 0; h < H; ++h)
       for (int64_t j = 0; j < n; j += 16)
-        scores16_fp8<NC>(q + h * D, kb + (h / G) * D + j * row, row, std::min<int64_t>(16, n - j), scale,
+        scores16_f32<NC>(q + h * D, kb + (h / G) * D + j * row, row, std::min<int64_t>(16, n - j), scale,
                          p.data() + h * L + t0 + j);
   }
   softmax_rows(p.data(), H, L, inv_sum);
@@ -406,7 +409,7 @@ AVX512_FP8 static void decode_sequence_fp8(const float* q, const C* kp, const C*
 }
 
 template <int NC, typename T, typename C>
-static void paged_decode_fp8(const T* qp, const C* kp, const C* vp, T* op, const int64_t* tables, const int64_t* lens,
+static void paged_decode_f32(const T* qp, const C* kp, const C* vp, T* op, const int64_t* tables, const int64_t* lens,
                              int64_t B, int64_t H, int64_t KVH, int64_t bs, int64_t max_blocks, float scale,
                              float vscale) {
   constexpr int64_t D = 16 * NC;
@@ -414,7 +417,7 @@ static void paged_decode_fp8(const T* qp, const C* kp, const C* vp, T* op, const
     std::vector<float> p, qb(H * D), ob(H * D), inv_sum(H);
     for (int64_t b = begin; b < end; ++b) {
       for (int64_t i = 0; i < H * D; ++i) qb[i] = f32(qp[b * H * D + i]);
-      decode_sequence_fp8<NC>(qb.data(), kp, vp, tables + b * max_blocks, lens[b], H, KVH, bs, scale, p, ob.data(),
+      decode_sequence_f32<NC>(qb.data(), kp, vp, tables + b * max_blocks, lens[b], H, KVH, bs, scale, p, ob.data(),
                               inv_sum.data());
       T* out = op + b * H * D;
       for (int64_t h = 0; h < H; ++h) {
@@ -473,8 +476,8 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
         const C* kp = static_cast<const C*>(k_cache.data_ptr());
         const C* vp = static_cast<const C*>(v_cache.data_ptr());
         if ((D == 64 || D == 128) && cpu_has_avx512()) {
-          if (D == 64) paged_decode_fp8<4>(qp, kp, vp, op, tables, lens, B, H, KVH, bs, max_blocks, fscale, vscale);
-          else paged_decode_fp8<8>(qp, kp, vp, op, tables, lens, B, H, KVH, bs, max_blocks, fscale, vscale);
+          if (D == 64) paged_decode_f32<4>(qp, kp, vp, op, tables, lens, B, H, KVH, bs, max_blocks, fscale, vscale);
+          else paged_decode_f32<8>(qp, kp, vp, op, tables, lens, B, H, KVH, bs, max_blocks, fscale, vscale);
           return;
         }
         switch (D) {
@@ -487,6 +490,15 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
     return out;
   }
   const float fscale = static_cast<float>(scale);
+  if (q.scalar_type() == at::kFloat && (D == 64 || D == 128) && cpu_has_avx512()) {
+    const float* qp = q.data_ptr<float>();
+    const float* kp = k_cache.data_ptr<float>();
+    const float* vp = v_cache.data_ptr<float>();
+    float* op = out.data_ptr<float>();
+    if (D == 64) paged_decode_f32<4>(qp, kp, vp, op, tables, lens, B, H, KVH, bs, max_blocks, fscale, 1.f);
+    else paged_decode_f32<8>(qp, kp, vp, op, tables, lens, B, H, KVH, bs, max_blocks, fscale, 1.f);
+    return out;
+  }
   if (q.scalar_type() == at::kBFloat16 && (D == 64 || D == 128) && cpu_has_avx512_bf16()) {
     const bf16* qp = q.data_ptr<bf16>();
     const bf16* kp = k_cache.data_ptr<bf16>();
