@@ -6,7 +6,6 @@ import ctypes
 import ctypes.util
 import gc
 
-
 # glibc's mallopt parameters (malloc.h)
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
