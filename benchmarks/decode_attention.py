@@ -1,10 +1,13 @@
-"""Decode attention per layer on CPU: the PyTorch gather + SDPA path against the paged C++ kernel.
+"""Decode attention per layer on CPU: the PyTorch gather + SDPA path against the paged C++ kernel,
+the kernel on its AVX-512 path (where the CPU has it) and on its AVX2 one.
 
 SmolLM2-135M geometry (9 query heads, 3 KV heads, head_dim 64, 16-token blocks), float32, a batch
 of decoding sequences whose blocks are scattered through a larger cache as after some serving.
-The machine may be shared, so each figure is the minimum over many interleaved repeats.
+Each pass runs over --layers such caches, as a decode step does, so K/V come from memory and not
+from the last-level cache; beside each time, the K/V bytes read per second. The machine may be
+shared, so each figure is the minimum over many interleaved repeats.
 
-    python3 benchmarks/decode_attention.py [--batch 64] [--context 320] [--threads 1 2] [--repeats 50]
+    python3 benchmarks/decode_attention.py [--batch 64] [--context 320] [--threads 1 2] [--repeats 20]
 """
 from __future__ import annotations
 
@@ -15,20 +18,21 @@ import torch
 
 from meshserve.layers import cpu_kernels
 from meshserve.layers.attention.torch_ref import gathered_decode
+from meshserve.utils.cpuinfo import cpu_flags
 
 
-def make_inputs(batch: int, context: int, heads=9, kv_heads=3, head_dim=64, block_size=16, seed=0):
+def make_inputs(batch: int, context: int, layers: int, heads=9, kv_heads=3, head_dim=64, block_size=16, seed=0):
     g = torch.Generator().manual_seed(seed)
     width = -(-context // block_size)
     num_blocks = 2 * batch * width
-    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g)
-    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g)
+    caches = [(torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g),
+               torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g)) for _ in range(layers)]
     tables = torch.randperm(num_blocks, generator=g)[:batch * width].view(batch, width)
     # Lengths spread just below `context`, as in a batch of requests that started at different steps.
     lens = context - torch.randint(0, block_size, (batch,), generator=g)
     mask = (torch.arange(width * block_size)[None, :] < lens[:, None])[:, None, None, :]
     q = torch.randn(batch, heads, head_dim, generator=g)
-    return q, k_cache, v_cache, tables, mask, lens
+    return q, caches, tables, mask, lens
 
 
 def best_ms(fns, repeats: int) -> list[float]:
@@ -48,22 +52,45 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--context", type=int, default=320)
+    ap.add_argument("--layers", type=int, default=30, help="caches a pass reads, one per layer")
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
-    ap.add_argument("--repeats", type=int, default=50)
+    ap.add_argument("--repeats", type=int, default=20)
     args = ap.parse_args()
     if not cpu_kernels.available():
         raise SystemExit("the CPU attention kernel did not build; nothing to compare")
-    q, k_cache, v_cache, tables, mask, lens = make_inputs(args.batch, args.context)
-    old = lambda: gathered_decode(q, k_cache, v_cache, tables, mask)  # noqa: E731
-    new = lambda: cpu_kernels.paged_decode(q, k_cache, v_cache, tables, lens, 64 ** -0.5)  # noqa: E731
+    q, caches, tables, mask, lens = make_inputs(args.batch, args.context, args.layers)
+    scale = q.shape[-1] ** -0.5
+
+    def kernel(wide: bool):
+        def run():
+            cpu_kernels.allow_avx512(wide)
+            for k, v in caches:
+                cpu_kernels.paged_decode(q, k, v, tables, lens, scale)
+        return run
+
+    def pytorch():
+        for k, v in caches:
+            gathered_decode(q, k, v, tables, mask)
+
+    isas = (False, True) if "avx512f" in cpu_flags() else (False,)  # AVX2 alone where there is no AVX-512
+    paths = {"pytorch": pytorch, **{f"kernel {'avx512' if wide else 'avx2'}": kernel(wide) for wide in isas}}
+    kv_bytes = lens.sum().item() * 2 * caches[0][0][0, 0].numel() * q.element_size() * args.layers
     with torch.inference_mode():
-        diff = (old() - new()).abs().max().item()
-        print(f"B={args.batch} context~{args.context} float32, max abs diff {diff:.2e}")
-        print(f"{'threads':>7} {'pytorch ms':>11} {'kernel ms':>10} {'speed-up':>9}")
+        k, v = caches[0]
+        reference = gathered_decode(q, k, v, tables, mask)
+        for wide in isas:
+            cpu_kernels.allow_avx512(wide)
+            diff = (reference - cpu_kernels.paged_decode(q, k, v, tables, lens, scale)).abs().max().item()
+            print(f"B={args.batch} context~{args.context} float32, {'avx512' if wide else 'avx2'}: "
+                  f"max abs diff {diff:.2e}")
+        print(f"{'threads':>7} " + " ".join(f"{name:>24}" for name in paths) + "   speed-up over pytorch")
         for n in args.threads:
             torch.set_num_threads(n)
-            t_old, t_new = best_ms([old, new], args.repeats)
-            print(f"{n:>7} {t_old:>11.3f} {t_new:>10.3f} {t_old / t_new:>8.2f}x")
+            times = best_ms(list(paths.values()), args.repeats)
+            cells = [f"{t / args.layers:.3f} ms ({kv_bytes / t / 1e6:.1f} GB/s)" for t in times]
+            ratios = [f"{times[0] / t:.2f}x" for t in times[1:]]
+            print(f"{n:>7} " + " ".join(f"{c:>24}" for c in cells) + "   " + " / ".join(ratios))
+        cpu_kernels.allow_avx512(True)
     return 0
 
 

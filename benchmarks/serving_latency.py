@@ -241,9 +241,11 @@ def run_engines(a: argparse.Namespace, found: list[Engine], planned: dict) -> No
         found[0].serving_path_s = serving_path_seconds(servers[0].url)
         print(f"meshserve: {found[0].serving_path_s * 1e3:.1f} ms a request outside the engine's steps "
               f"(idle server, {SERVING_PATH_REQUESTS} one-token requests)", file=sys.stderr, flush=True)
-        found[0].token_path_s = asyncio.run(token_path_seconds(a, servers[0].url, servers[0].pid))
-        print(f"meshserve: {found[0].token_path_s * 1e3:.2f} ms of serving-path CPU a streamed token "
-              f"(front end and client, {TOKEN_PATH_REQUESTS} streams at once)", file=sys.stderr, flush=True)
+        frontend_s, client_s = asyncio.run(token_path_seconds(a, servers[0].url, servers[0].pid))
+        found[0].token_path_s = frontend_s + client_s
+        print(f"meshserve: {found[0].token_path_s * 1e3:.2f} ms of serving-path CPU a streamed token: "
+              f"{frontend_s * 1e3:.2f} in the server's front end, {client_s * 1e3:.2f} in this benchmark's "
+              f"client ({TOKEN_PATH_REQUESTS} streams at once)", file=sys.stderr, flush=True)
         asyncio.run(measure(a, found, [server.url for server in servers], planned))
 
 
@@ -287,30 +289,32 @@ TOKEN_PATH_REQUESTS = 4
 TOKEN_PATH_SEED_OFFSET = 1000  # prompts of their own: none of the loads' or the sweep's
 
 
-async def token_path_seconds(a: argparse.Namespace, url: str, frontend_pid: int) -> float:
-    """CPU seconds the server's front end and this benchmark's client spend per streamed token, over
-    a few streams at once on the idle server. On a CPU they run on the cores the engine's threads
-    fill, and a step waits for a thread they displace: the planner adds this to a step per token it
-    emits (`meshserve plan --token-overhead-ms`). Zero where the engine is not on the CPU."""
+async def token_path_seconds(a: argparse.Namespace, url: str, frontend_pid: int) -> tuple[float, float]:
+    """CPU seconds the server's front end and this benchmark's client each spend per streamed token,
+    over a few streams at once on the idle server. On a CPU they run on the cores the engine's
+    threads fill, and a step waits for a thread they displace: the planner adds their sum to a step
+    per token it emits (`meshserve plan --token-overhead-ms`). Zeros where the engine is not on the
+    CPU."""
     import time
 
     import psutil
     import torch
 
     if torch.cuda.is_available():  # the server's engine runs there
-        return 0.0
+        return 0.0, 0.0
     frontend = psutil.Process(frontend_pid)
 
-    def cpu() -> float:
+    def cpu() -> tuple[float, float]:
         times = frontend.cpu_times()
-        return times.user + times.system + time.process_time()
+        return times.user + times.system, time.process_time()
 
     async with Benchmark(bench_config(a, url, TOKEN_PATH_REQUESTS)) as bench:
         requests = await bench.load_requests(seed_offset=TOKEN_PATH_SEED_OFFSET)
         before = cpu()
         result = await bench.run(requests, LoadConfig(request_rate=math.inf), label="serving path")
-        spent = cpu() - before
-    return spent / max(1, result["total_output_tokens"])
+        after = cpu()
+    tokens = max(1, result["total_output_tokens"])
+    return (after[0] - before[0]) / tokens, (after[1] - before[1]) / tokens
 
 
 def _metric(text: str, name: str, **labels: str) -> float:

@@ -135,4 +135,4 @@ def test_the_token_path_is_not_charged_where_the_engine_runs_on_a_gpu(monkeypatc
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     a = serving_latency.parse_args([])
-    assert asyncio.run(serving_latency.token_path_seconds(a, "http://127.0.0.1:9", -1)) == 0.0
+    assert asyncio.run(serving_latency.token_path_seconds(a, "http://127.0.0.1:9", -1)) == (0.0, 0.0)
