@@ -33,6 +33,8 @@ the PyTorch path.
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import logging
 import os
@@ -68,6 +70,17 @@ def _cpu_flags() -> list[str]:
     return ["-mavx2", "-mfma", "-mf16c"] if "f16c" in flags else ["-mavx2", "-mfma"]
 
 
+@contextlib.contextmanager
+def _build_lock(build_dir: Path):
+    """One build at a time per build directory. torch's own lock there is a file that a build killed
+    midway (Ctrl-C, a timeout) leaves behind, and every later start would wait on it forever; this
+    lock is the kernel's and dies with its holder, so whoever holds it knows that file is stale."""
+    with open(build_dir / "build.flock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        (build_dir / "lock").unlink(missing_ok=True)
+        yield
+
+
 def _build():
     import sysconfig
 
@@ -89,8 +102,9 @@ def _build():
     build_dir.mkdir(parents=True, exist_ok=True)
     if not any(build_dir.glob("*.so")):
         logger.info("building the CPU kernels in %s (once; about a minute)", build_dir)
-    module = load_inline(name=name, cpp_sources=[source], functions=_FUNCTIONS,
-                         extra_cflags=cflags, extra_ldflags=["-fopenmp"], build_directory=str(build_dir))
+    with _build_lock(build_dir):
+        module = load_inline(name=name, cpp_sources=[source], functions=_FUNCTIONS,
+                             extra_cflags=cflags, extra_ldflags=["-fopenmp"], build_directory=str(build_dir))
     logger.info("CPU kernels ready (%s)", name)
     return module
 

@@ -36,7 +36,8 @@ def keep_freed_heap() -> bool:
     activations of tens of MB; glibc serves blocks past its mmap threshold (at most 32 MB) with
     fresh mappings and unmaps them on free, and trims the heap's top, so every step faulted its
     pages in and had the kernel zero them again: 14% of a 2048-token prefill step on the embedded
-    model. The process stays at its steady-state peak instead, as it would with tcmalloc."""
+    model. The process grows for the first few steps (small allocations can split a freed block
+    before it is reused) and then stays at that steady-state peak, as it would with tcmalloc."""
     libc = _libc()
     if libc is None or not hasattr(libc, "mallopt"):
         return False

@@ -4,7 +4,10 @@ backend among them, against the PyTorch reference backend) fall back to PyTorch 
 are disabled, unavailable or given tensors they do not handle; and an engine with all of them on
 generates what one with all of them off generates."""
 import contextlib
+import fcntl
 import logging
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -190,6 +193,29 @@ def test_failed_build_warns_once_and_falls_back(monkeypatch, caplog):
     torch.testing.assert_close(out, _decode_through("torch", q, k_cache, v_cache, tables, lens))
     warnings = [r for r in caplog.records if r.name == cpu_kernels.__name__]
     assert len(warnings) == 1 and "command not found" in warnings[0].getMessage()
+
+
+def test_a_killed_build_leaves_nothing_that_blocks_the_next_one(tmp_path):
+    """A build holds the lock while it runs; killed midway, it leaves torch's lock file behind, and
+    the next build takes the lock and clears that file instead of waiting on it forever."""
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, pathlib\n"
+         "from meshserve.layers.cpu_kernels import _build_lock\n"
+         "with _build_lock(pathlib.Path(sys.argv[1])):\n"
+         "    (pathlib.Path(sys.argv[1]) / 'lock').touch()\n"  # torch's, as a build in progress has it
+         "    print('held', flush=True)\n"
+         "    sys.stdin.read()\n", str(tmp_path)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with open(tmp_path / "build.flock") as f, pytest.raises(BlockingIOError):
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    finally:
+        holder.kill()
+        holder.wait(timeout=60)
+    assert (tmp_path / "lock").exists()
+    with cpu_kernels._build_lock(tmp_path):
+        assert not (tmp_path / "lock").exists()
 
 
 def test_out_of_range_inputs_raise_instead_of_reading_past_the_cache():
