@@ -4,7 +4,7 @@ For each row count (decode steps of a few sequences up to prefill chunks) and dt
 one pass over the embedded model's decoder shapes (qkv 960x576, o 576x576, gate_up 3072x576,
 down 576x1536; 30 copies of each, so every weight comes from memory as in a decode step) through
 each matmul path the engine has: the C++ GEMV (up to 16 rows), the panel GEMM on its own packing
-of the weight (AVX-512; bfloat16 with AVX512-BF16), oneDNN on the weight packed once at load
+of the weight (AVX-512 or AVX2; bfloat16 with AVX512-BF16), oneDNN on the weight packed once at load
 time, and MKL (`F.linear`). Beside each: the weight bytes streamed per second as a share
 of the read bandwidth measured in the same process (what bounds a pass of a few rows), and the
 FLOP/s as a share of the matmul peak measured in the same process (a 2048-cube through the

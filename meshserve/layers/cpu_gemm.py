@@ -1,11 +1,12 @@
-"""CPU matmuls: the C++ panel GEMM (AVX-512) or GEMV for a few rows, then oneDNN with weights
-packed once at load time (float32 for small batches, bfloat16 for every batch), then MKL.
+"""CPU matmuls: the C++ panel GEMM (AVX-512 or AVX2) or GEMV for a few rows, then oneDNN with
+weights packed once at load time (float32 for small batches, bfloat16 for every batch), then MKL.
 
-Where the CPU has AVX-512 (and AVX512-BF16 for bfloat16), every linear weight gets a second
+Where the CPU has AVX-512 or AVX2 (bfloat16: AVX512-BF16), every linear weight gets a second
 packing at load time, in panels of outputs (csrc/panel_gemm.cpp), and steps of up to
-PANEL_MAX_ROWS rows take it: its outputs run across the vector lanes, so it streams the weight at
-86-97% of the read bandwidth from 1 to 8 rows, where oneDNN reached 58-74% and the GEMV fell from
-90% at one row to 50% at eight, and it stays ahead of oneDNN to a few dozen rows (measured by
+panel_max_rows rows take it: its outputs run across the vector lanes, so it streams the weight at
+86-97% of the read bandwidth from 1 to 8 rows on AVX-512, where oneDNN reached 58-74% and the GEMV
+fell from 90% at one row to 50% at eight, and it stays ahead of oneDNN to a few dozen rows; on AVX2
+four rows take as long as one and eight 1.6x, where the GEMV took 1.8x and 2.7x (measured by
 benchmarks/small_m_gemm.py). Each row's sums are the same whatever else shares the step. The panels
 cost one more copy of each linear weight. Elsewhere the GEMV and oneDNN share the few rows as below.
 
@@ -73,6 +74,10 @@ GEMV_MAX_ROWS_BESIDE_PACKED = {torch.float32: 3, torch.bfloat16: 3}
 # 32, 1.00 at 64, 1.11 at 128; in bfloat16 0.59 at 1, 0.64 at 8, 0.92 at 16, 0.95 at 32, 1.00 at
 # 64, 1.08 at 128. Against the GEMV it was as fast at one row and faster from two.
 PANEL_MAX_ROWS = 64
+# Its AVX2 path (two rows per register block, K in slices that stay in L1) on the same shapes,
+# float32, both cores, a Zen 4 EPYC with AVX-512 masked: time ratio to oneDNN 0.60 at 1 row, 0.53 at
+# 4, 0.69 at 8, 0.89 at 16, 1.03 at 24, 1.13 at 32; to the GEMV 1.05 at 1, 0.57 at 4, 0.62 at 8.
+PANEL_MAX_ROWS_AVX2 = 16
 
 
 def packs(dtype: torch.dtype) -> bool:
@@ -105,7 +110,9 @@ def _small_rows_kernels() -> bool:
 def panel_max_rows(dtype: torch.dtype) -> int:
     """Up to this many rows a matmul with a CPU weight of this dtype takes its panels
     (csrc/panel_gemm.cpp); 0 where they cannot run now."""
-    return PANEL_MAX_ROWS if _small_rows_kernels() and cpu_kernels.panel_usable(dtype) else 0
+    if not (_small_rows_kernels() and cpu_kernels.panel_usable(dtype)):
+        return 0
+    return PANEL_MAX_ROWS_AVX2 if dtype == torch.float32 and cpu_kernels.panel_isa() == "avx2" else PANEL_MAX_ROWS
 
 
 def gemv_max_rows(dtype: torch.dtype) -> int:

@@ -13,7 +13,7 @@
   as stored, float32 or bfloat16, at the memory's pace (cpu_gemm.py chooses it by row count).
 - `panel_gemm`: linear layers for a few to a few dozen rows (csrc/panel_gemm.cpp) on a copy of the
   weight packed at load time in panels of PANEL_WIDTH outputs (`pack_panels`), the outputs across
-  the vector lanes, AVX-512 only (bfloat16 with AVX512-BF16).
+  the vector lanes: float32 on AVX-512 or AVX2, bfloat16 with AVX512-BF16.
 - `qgemv` / `qdequantize`: linear layers on quantized weights as a GGUF file stores them (Q4_0,
   Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K) or as int8 / float8 e4m3 rows with per-channel scales
   (csrc/quant_gemv.cpp): a decode step's few rows read the blocks without expanding them in memory,
@@ -53,7 +53,7 @@ _SOURCE_PATHS = [Path(__file__).parent / "csrc" / name for name in
                  ("cpu_kernels.cpp", "gemv.cpp", "quant_gemv.cpp", "paged_decode.cpp", "panel_gemm.cpp",
                   "decoder_stack.cpp")]
 _FUNCTIONS = ["paged_decode", "rms_norm", "silu_and_mul", "rotary_", "argmax_rows", "gemv", "gemv_isa",
-              "decoder_stack", "allow_avx512", "panel_gemm", "panel_usable",
+              "decoder_stack", "allow_avx512", "panel_gemm", "panel_usable", "panel_isa",
               "qgemv", "qmatmul", "qdequantize", "quant_isa", "set_quant_isa"]
 
 _lock = threading.Lock()
@@ -208,8 +208,13 @@ PANEL_WIDTH = 48  # kPanelWidth in csrc/panel_gemm.cpp
 
 
 def panel_usable(dtype: torch.dtype) -> bool:
-    """panel_gemm runs on this CPU now for this dtype (AVX-512; bfloat16 also needs AVX512-BF16)."""
+    """panel_gemm runs on this CPU now for this dtype (float32: AVX-512 or AVX2; bfloat16: AVX512-BF16)."""
     return dtype in DTYPES and available() and _kernels().panel_usable(dtype == torch.bfloat16)
+
+
+def panel_isa() -> str:
+    """The kernel panel_gemm takes now for float32: "avx512", "avx2", or "" (none on this CPU)."""
+    return _kernels().panel_isa()
 
 
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:

@@ -106,8 +106,9 @@ class ModelRunner:
         if self.device.type == "cpu":
             panels = panel_bytes(self.model)
             if panels and self.ps.rank == 0:
-                logger.info("linear layers of up to %d rows take weight panels (AVX-512; csrc/panel_gemm.cpp): "
-                            "%.0f MiB more host memory", panel_max_rows(self.dtype), panels / 2 ** 20)
+                isa = "AVX512-BF16" if self.dtype == torch.bfloat16 else cpu_kernels.panel_isa().upper()
+                logger.info("linear layers of up to %d rows take weight panels (%s; csrc/panel_gemm.cpp): "
+                            "%.0f MiB more host memory", panel_max_rows(self.dtype), isa, panels / 2 ** 20)
             self._warm_up_matmuls()
         if getattr(self.model, "cpu_stack", None) is not None and self.ps.rank == 0:
             logger.info("decoder layers run as one C++ loop (models/cpu_decoder_stack.py)")

@@ -350,14 +350,19 @@ def _packed_row_counts():
 
 
 def _small_row_limits(dtype, packing: bool) -> tuple[int, int]:
-    """(panel, GEMV) row limits this CPU must choose now: the panels to PANEL_MAX_ROWS where they
-    run (AVX-512; bfloat16 with AVX512-BF16) and then no GEMV; else the GEMV's AVX-512 path to
-    its measured crossover with oneDNN beside a packed weight, otherwise to the GEMV's limit."""
+    """(panel, GEMV) row limits this CPU must choose now: the panels where they run (AVX-512 to
+    PANEL_MAX_ROWS; float32 on AVX2 to PANEL_MAX_ROWS_AVX2; bfloat16 only with AVX512-BF16) and
+    then no GEMV; else the GEMV's AVX-512 path to its measured crossover with oneDNN beside a packed
+    weight, otherwise to the GEMV's limit."""
     from meshserve.layers import cpu_gemm
 
     avx512 = cpu_kernels.gemv_isa() == "avx512"
-    runs_panels = avx512 and (dtype == torch.float32 or "avx512_bf16" in cpu_flags())
-    panel = cpu_gemm.PANEL_MAX_ROWS if runs_panels else 0
+    if avx512 and (dtype == torch.float32 or "avx512_bf16" in cpu_flags()):
+        panel = cpu_gemm.PANEL_MAX_ROWS
+    elif dtype == torch.float32 and {"avx2", "fma"} <= cpu_flags():
+        panel = cpu_gemm.PANEL_MAX_ROWS_AVX2
+    else:
+        panel = 0
     gemv = 0 if panel else (cpu_gemm.GEMV_MAX_ROWS_BESIDE_PACKED[dtype] if packing and avx512
                             else cpu_kernels.GEMV_MAX_ROWS)
     assert (cpu_gemm.panel_max_rows(dtype), cpu_gemm.gemv_max_rows(dtype)) == (panel, gemv)

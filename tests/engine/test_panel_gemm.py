@@ -1,5 +1,6 @@
-"""The panel GEMM (csrc/panel_gemm.cpp): the product of the stored values for any row count, each
-row's result independent of the rows beside it, and refusals of what it cannot compute."""
+"""The panel GEMM (csrc/panel_gemm.cpp): the product of the stored values for any row count on
+every path this CPU runs (AVX-512, AVX2), each row's result independent of the rows beside it, and
+refusals of what it cannot compute."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -11,7 +12,7 @@ DTYPES = [torch.float32, torch.bfloat16]
 
 def _runs(dtype: torch.dtype) -> None:
     if not cpu_kernels.panel_usable(dtype):
-        pytest.skip(f"panel_gemm needs AVX-512{' and AVX512-BF16' if dtype == torch.bfloat16 else ''} here")
+        pytest.skip("panel_gemm needs " + ("AVX512-BF16 for bfloat16" if dtype == torch.bfloat16 else "AVX2") + " here")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -31,12 +32,13 @@ def test_panels_hold_the_weight_k_major(n, k, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [0, 1, 2, 5, 8, 9, 12, 16, 17, 33, 64, 70])
-def test_panel_gemm_is_the_float32_product_of_the_stored_values(rows, dtype):
-    """Every register-block split of the rows (8 at most per block), output counts that leave a
-    partial last panel and inner sizes odd and even."""
+def test_panel_gemm_is_the_float32_product_of_the_stored_values(rows, dtype, isa):
+    """Every register-block split of the rows (8 at most per block on AVX-512, pairs on AVX2),
+    output counts that leave a partial last panel, inner sizes odd and even, and on AVX2 inner
+    sizes over one or several of its slices of K, whole and partial."""
     _runs(dtype)
     g = torch.Generator().manual_seed(rows)
-    for n, k in [(1, 1), (47, 13), (49, 97), (200, 96), (1027, 576)]:
+    for n, k in [(1, 1), (47, 13), (49, 97), (200, 96), (1027, 576), (100, 250)]:
         w = torch.randn(n, k, generator=g).to(dtype)
         b = torch.randn(n, generator=g).to(dtype)
         wide = torch.randn(rows, k + 5, generator=g).to(dtype)
@@ -66,8 +68,9 @@ def test_panel_gemm_refuses_what_it_cannot_compute():
     with pytest.raises(RuntimeError, match="dtype"):
         cpu_kernels.panel_gemm(torch.randn(2, 32).bfloat16(), panels, 100)
     previous = cpu_kernels.allow_avx512(False)
-    try:
-        with pytest.raises(RuntimeError, match="AVX-512"):
-            cpu_kernels.panel_gemm(torch.randn(2, 32), panels, 100)
+    try:  # bfloat16 panels need AVX512-BF16; float32 ones take the AVX2 path
+        assert cpu_kernels.panel_isa() == "avx2" and not cpu_kernels.panel_usable(torch.bfloat16)
+        with pytest.raises(RuntimeError, match="AVX512-BF16"):
+            cpu_kernels.panel_gemm(torch.randn(2, 32).bfloat16(), cpu_kernels.pack_panels(w.bfloat16()), 100)
     finally:
         cpu_kernels.allow_avx512(previous)

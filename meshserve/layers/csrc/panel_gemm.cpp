@@ -1,5 +1,5 @@
 // Matmuls of a few to a few dozen rows on a weight packed in panels: y[M, N] = x[M, K] @ w[N, K]^T
-// (+ bias), AVX-512 only (float32; bfloat16 with AVX512-BF16).
+// (+ bias): float32 on AVX-512 or AVX2, bfloat16 with AVX512-BF16.
 //
 // The GEMV (gemv.cpp) sums along K and ends in a horizontal add per output: right for one row,
 // compute-bound from a few rows on. Here the outputs run across the lanes instead. A panel holds
@@ -9,6 +9,11 @@
 // stays in L1. Its 24 accumulators are independent FMA chains, enough to keep both FMA pipes busy
 // with no reduction at the end; the weight is read from memory once a step and, for more rows than
 // one register block holds, from L2 for the later blocks of the same panel.
+//
+// AVX2 has 16 vector registers of 8 lanes, so a panel is six vectors there and a register block
+// two rows (12 accumulators, the two broadcasts and the weight vector being multiplied), and more
+// rows take a panel in slices of K that stay in L1 while every pair of rows passes over them. The
+// packing is the same, so one copy of the weight serves whichever path the CPU takes.
 //
 // bfloat16 panels keep pairs of neighbours along K together ([K/2][48][2]) so that one
 // vdpbf16ps multiplies a pair of x's values, broadcast as one 32-bit lane, by 16 outputs' pairs:
@@ -65,6 +70,70 @@ AVX512_BF16 static inline void panel_block_bf16(const bf16* panel, const uint32_
   }
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+constexpr int64_t kPanelVectorsAvx2 = kPanelWidth / 8;
+// Values of K per pass over a panel's rows: 96 x 48 floats (18 KB) stay in L1 while every pair of
+// rows of x meets them, so only the first pair reads them from memory.
+constexpr int64_t kPanelDepthAvx2 = 96;
+
+// MR <= 2 rows of x (xt offset to the first) against k0..k1 of one panel, continuing the sums in
+// acc_io ([MR][48]): the same FMAs in the same order as one pass over K. Pass `pass` of `passes`
+// over the slice also asks for every passes-th row of the slice after it, into L2: over all the
+// passes the next slice arrives while this one is computed on (with one pass, 18 KB ahead).
+template <int MR>
+static inline void panel_pass_avx2(const float* panel, const float* xt, int64_t ldx, int64_t k0, int64_t k1,
+                                   float* acc_io, int64_t pass, int64_t passes) {
+  __m256 acc[MR][kPanelVectorsAvx2];
+  for (int m = 0; m < MR; ++m)
+    for (int v = 0; v < kPanelVectorsAvx2; ++v) acc[m][v] = _mm256_loadu_ps(acc_io + m * kPanelWidth + 8 * v);
+  const float* next = panel + k1 * kPanelWidth;  // past a panel's end: the next panel, as stored
+  int64_t due = k0 + pass;
+  for (int64_t k = k0; k < k1; ++k) {
+    const float* wk = panel + k * kPanelWidth;
+    if (k == due) {
+      due += passes;
+      for (int line = 0; line < kPanelVectors; ++line)
+        _mm_prefetch(reinterpret_cast<const char*>(next + (k - k0) * kPanelWidth + 16 * line), _MM_HINT_T1);
+    }
+    __m256 xb[MR];
+    for (int m = 0; m < MR; ++m) xb[m] = _mm256_broadcast_ss(xt + k * ldx + m);
+    for (int v = 0; v < kPanelVectorsAvx2; ++v) {
+      const __m256 w = _mm256_loadu_ps(wk + 8 * v);
+      for (int m = 0; m < MR; ++m) acc[m][v] = _mm256_fmadd_ps(xb[m], w, acc[m][v]);
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int v = 0; v < kPanelVectorsAvx2; ++v) _mm256_storeu_ps(acc_io + m * kPanelWidth + 8 * v, acc[m][v]);
+}
+
+// All M rows of x against one panel on AVX2, whose 16 registers hold two rows' sums at a time.
+static void panel_avx2(const float* panel, const float* xt, int64_t M, int64_t K, const float* bias, float* y,
+                       int64_t N, int64_t n0) {
+  thread_local std::vector<float> sums;
+  sums.assign(M * kPanelWidth, 0.0f);
+  const int64_t passes = (M + 1) / 2;
+  for (int64_t k0 = 0; k0 < K; k0 += kPanelDepthAvx2) {
+    const int64_t k1 = std::min(K, k0 + kPanelDepthAvx2);
+    for (int64_t m = 0; m < M; m += 2) {
+      float* acc = sums.data() + m * kPanelWidth;
+      if (m + 1 < M)
+        panel_pass_avx2<2>(panel, xt + m, M, k0, k1, acc, m / 2, passes);
+      else
+        panel_pass_avx2<1>(panel, xt + m, M, k0, k1, acc, m / 2, passes);
+    }
+  }
+  const int64_t width = std::min(kPanelWidth, N - n0);
+  for (int64_t m = 0; m < M; ++m) {
+    const float* out = sums.data() + m * kPanelWidth;
+    float* row = y + m * N + n0;
+    for (int64_t j = 0; j < width; ++j) row[j] = bias ? out[j] + bias[n0 + j] : out[j];
+  }
+}
+constexpr bool kPanelAvx2 = true;
+#else
+constexpr bool kPanelAvx2 = false;
+#endif
+
 // The block's outputs into y's rows m0.. (columns n0.., at most kPanelWidth of them, fewer in the
 // last panel), plus the bias, rounded once to W.
 template <int MR, typename W>
@@ -108,14 +177,16 @@ static void panel_group(const W* panel, const void* xt, int64_t ldx, int64_t K, 
 }
 
 // Whether panel_gemm runs on this CPU now for weights of this dtype.
-bool panel_usable(bool bfloat16) { return bfloat16 ? cpu_has_avx512_bf16() : cpu_has_avx512(); }
+bool panel_usable(bool bfloat16) { return bfloat16 ? cpu_has_avx512_bf16() : (cpu_has_avx512() || kPanelAvx2); }
+
+// Which kernel panel_gemm takes now for float32 weights ("avx512" or "avx2"; "" where none).
+std::string panel_isa() { return cpu_has_avx512() ? "avx512" : (kPanelAvx2 ? "avx2" : ""); }
 
 // panels: cpu_kernels.pack_panels(weight): [P, K, 48] float32 or [P, ceil(K/2), 48, 2] bfloat16,
 // outputs past N zero. N: the weight's rows.
 torch::Tensor panel_gemm(torch::Tensor x, torch::Tensor panels, int64_t N, c10::optional<torch::Tensor> bias) {
   check_rows(x, "panel_gemm");
   const bool bfloat16 = x.scalar_type() == at::kBFloat16;
-  TORCH_CHECK(panel_usable(bfloat16), "panel_gemm: needs AVX-512 (and AVX512-BF16 for bfloat16) on this CPU");
   const int64_t M = x.size(0), K = x.size(1), P = panels.size(0), K2 = (K + 1) / 2;
   TORCH_CHECK(panels.is_contiguous() && panels.scalar_type() == x.scalar_type() && P == (N + kPanelWidth - 1) / kPanelWidth,
               "panel_gemm: panels must be pack_panels(weight) of x's dtype for ", N, " outputs");
@@ -125,6 +196,7 @@ torch::Tensor panel_gemm(torch::Tensor x, torch::Tensor panels, int64_t N, c10::
   if (bias)
     TORCH_CHECK(bias->is_contiguous() && bias->numel() == N && bias->scalar_type() == x.scalar_type(),
                 "panel_gemm: bias of N values of x's dtype");
+  TORCH_CHECK(panel_usable(bfloat16), "panel_gemm: needs AVX2 or AVX-512 (bfloat16: AVX512-BF16) on this CPU");
   auto y = torch::empty({M, N}, x.options());
   if (M == 0) return y;
   // x transposed ([K][M] float32, or [K/2][M] bfloat16 pairs): each k's rows side by side, so a
@@ -151,13 +223,23 @@ torch::Tensor panel_gemm(torch::Tensor x, torch::Tensor panels, int64_t N, c10::
     const int64_t panel_values = bfloat16 ? K2 * 2 * kPanelWidth : K * kPanelWidth;
     // Row blocks of near-equal size (12 rows: two of 6, not 8 and 4).
     const int64_t blocks = (M + kPanelRows - 1) / kPanelRows;
+    const bool avx2 = !cpu_has_avx512();
     at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
-      for (int64_t p = p0; p < p1; ++p)
+      for (int64_t p = p0; p < p1; ++p) {
+#if defined(__AVX2__) && defined(__FMA__)
+        if constexpr (std::is_same_v<W, float>) {
+          if (avx2) {
+            panel_avx2(pp + p * panel_values, static_cast<const float*>(xt), M, K, bp, yp, N, p * kPanelWidth);
+            continue;
+          }
+        }
+#endif
         for (int64_t b = 0, m0 = 0; b < blocks; ++b) {
           const int64_t rows = M / blocks + (b < M % blocks ? 1 : 0);
           panel_group<W>(pp + p * panel_values, xt, ldx, K, bp, yp, N, m0, rows, p * kPanelWidth);
           m0 += rows;
         }
+      }
     });
   });
   return y;
