@@ -49,7 +49,9 @@ def fake_server(*args: str, timeout_s: float = 20.0) -> Iterator[str]:
 # ITL medians came 5-10% apart; at these, under 1%), while the bugs that check catches move a
 # figure by 12% or more (TPOT over n tokens instead of n - 1, the first token's wait counted as an
 # ITL, the role-only chunk taken for the first token).
-E2E_SERVER_ARGS = ("--ttft-ms", "500", "--itl-ms", "100")
+# The end-to-end fake server's schedule: token i leaves TTFT + i x ITL after a request arrives.
+E2E_TTFT_MS, E2E_ITL_MS = 500.0, 100.0
+E2E_SERVER_ARGS = ("--ttft-ms", str(E2E_TTFT_MS), "--itl-ms", str(E2E_ITL_MS))
 
 
 def run_bench(argv: list[str]) -> int:
