@@ -70,6 +70,15 @@ AVX512_BF16 static inline void panel_block_bf16(const bf16* panel, const uint32_
   }
 }
 
+// One row of a panel's sums (out, kPanelWidth floats) into y_row's columns n0.. (fewer in the last
+// panel), plus the bias, rounded once to W.
+template <typename W>
+__attribute__((always_inline)) static inline void store_panel_row(const float* out, const W* bias, W* y_row,
+                                                                  int64_t N, int64_t n0) {
+  const int64_t width = std::min(kPanelWidth, N - n0);
+  for (int64_t j = 0; j < width; ++j) y_row[n0 + j] = store<W>(bias ? out[j] + f32(bias[n0 + j]) : out[j]);
+}
+
 #if defined(__AVX2__) && defined(__FMA__)
 constexpr int64_t kPanelVectorsAvx2 = kPanelWidth / 8;
 // Values of K per pass over a panel's rows: 96 x 48 floats (18 KB) stay in L1 while every pair of
@@ -122,28 +131,20 @@ static void panel_avx2(const float* panel, const float* xt, int64_t M, int64_t K
         panel_pass_avx2<1>(panel, xt + m, M, k0, k1, acc, m / 2, passes);
     }
   }
-  const int64_t width = std::min(kPanelWidth, N - n0);
-  for (int64_t m = 0; m < M; ++m) {
-    const float* out = sums.data() + m * kPanelWidth;
-    float* row = y + m * N + n0;
-    for (int64_t j = 0; j < width; ++j) row[j] = bias ? out[j] + bias[n0 + j] : out[j];
-  }
+  for (int64_t m = 0; m < M; ++m) store_panel_row(sums.data() + m * kPanelWidth, bias, y + m * N, N, n0);
 }
 constexpr bool kPanelAvx2 = true;
 #else
 constexpr bool kPanelAvx2 = false;
 #endif
 
-// The block's outputs into y's rows m0.. (columns n0.., at most kPanelWidth of them, fewer in the
-// last panel), plus the bias, rounded once to W.
+// The block's outputs into y's rows m0.. (store_panel_row).
 template <int MR, typename W>
 AVX512 static inline void panel_store(PanelAcc<MR>& acc, const W* bias, W* y, int64_t N, int64_t m0, int64_t n0) {
-  const int64_t width = std::min(kPanelWidth, N - n0);
   alignas(64) float out[kPanelWidth];
   for (int m = 0; m < MR; ++m) {
     for (int v = 0; v < kPanelVectors; ++v) _mm512_store_ps(out + 16 * v, acc[m][v]);
-    W* row = y + (m0 + m) * N + n0;
-    for (int64_t j = 0; j < width; ++j) row[j] = store<W>(bias ? out[j] + f32(bias[n0 + j]) : out[j]);
+    store_panel_row(out, bias, y + (m0 + m) * N, N, n0);
   }
 }
 
