@@ -28,7 +28,10 @@ The packed copy costs one more copy of each linear weight in host memory.
 In bfloat16, `F.linear` reorders the weight on every call and oneDNN runs on AMX tiles where the
 CPU has them, so bfloat16 always takes the packed weight. On a CPU without the instructions
 oneDNN's bfloat16 linear needs (AVX-512 BW/VL/DQ or AVX-NE-CONVERT: an AVX2-only part), bfloat16
-weights stay unpacked and take `F.linear`. MESHSERVE_DISABLE_CPU_KERNELS=1 turns packing off.
+weights stay unpacked, and rows past the GEMV's multiply in float32: the weight widened for the
+call, then `F.linear`, the result rounded to bfloat16 once (ATen's own bfloat16 GEMM, which
+`F.linear` takes there, ran 5x slower than float32 on 256 rows; see widens_bf16).
+MESHSERVE_DISABLE_CPU_KERNELS=1 turns packing off.
 The crossovers below were measured on SmolLM2's shapes (docs/performance.md).
 
 oneDNN builds (and JIT-compiles) a primitive for every row count it meets, milliseconds per weight
@@ -128,6 +131,14 @@ def gemv_max_rows(dtype: torch.dtype) -> int:
     return cpu_kernels.GEMV_MAX_ROWS
 
 
+def widens_bf16(weight: torch.Tensor) -> bool:
+    """Rows of x that neither the GEMV nor oneDNN takes multiply this weight in float32: a CPU
+    bfloat16 weight where oneDNN cannot pack bfloat16 (an AVX2-only CPU). Widening the weight for
+    each call costs a pass over it, a few percent of a prefill chunk's multiply (the C++ layer loop,
+    csrc/decoder_stack.cpp, applies the same rule to a bfloat16 weight without a packed copy)."""
+    return weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and not onednn_packs_bf16()
+
+
 def _enabled(weight: torch.Tensor) -> bool:
     return weight.device.type == "cpu" and packs(weight.dtype)
 
@@ -168,6 +179,9 @@ class PrepackedMatmul:
                 x = F.pad(x, (0, 0, 0, pad)) if pad else x.contiguous()
                 y = torch.ops.mkldnn._linear_pointwise(x, self._packed, bias, "none", [], "")
                 return y[:rows] if pad else y
+        if widens_bf16(self.weight) and x.dtype == torch.bfloat16:
+            wide_bias = None if bias is None else bias.float()
+            return F.linear(x.float(), self.weight.float(), wide_bias).to(torch.bfloat16)
         return F.linear(x, self.weight, bias)
 
 

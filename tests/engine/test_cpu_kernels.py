@@ -413,18 +413,25 @@ def _bf16_packing_paths() -> list[bool]:
     return [True, False] if onednn_packs_bf16() else [False]
 
 
+def _bf16_linear(seed: int):
+    """A 96 -> 200 bfloat16 linear layer with a bias, packed as this CPU (as patched) packs it."""
+    from meshserve.layers.linear import ColumnParallelLinear
+
+    lin = ColumnParallelLinear(96, 200, bias=True)
+    g = torch.Generator().manual_seed(seed)
+    lin.weight.data = torch.randn(200, 96, generator=g).bfloat16()
+    lin.bias.data = torch.randn(200, generator=g).bfloat16()
+    lin.prepack()
+    return lin, g
+
+
 @pytest.mark.parametrize("packing", _bf16_packing_paths())
 @pytest.mark.parametrize("rows", [1, 3, 6, 7, 16, 64, 65, 129, 700])
 def test_bf16_packed_linear_takes_every_row_count(rows, packing, monkeypatch, isa):
     from meshserve.layers import cpu_gemm
-    from meshserve.layers.linear import ColumnParallelLinear
 
     monkeypatch.setattr(cpu_gemm, "onednn_packs_bf16", lambda: packing)
-    lin = ColumnParallelLinear(96, 200, bias=True)
-    g = torch.Generator().manual_seed(rows)
-    lin.weight.data = torch.randn(200, 96, generator=g).bfloat16()
-    lin.bias.data = torch.randn(200, generator=g).bfloat16()
-    lin.prepack()
+    lin, g = _bf16_linear(seed=rows)
     assert (lin._packed is not None) == packing
     x = torch.randn(rows, 96, generator=g).bfloat16()
     with _packed_row_counts() as calls, _gemv_row_counts() as streamed, _panel_row_counts() as paneled:
@@ -445,6 +452,26 @@ def test_bf16_packed_linear_takes_every_row_count(rows, packing, monkeypatch, is
     width = 1 if gemv else max(panel, most) + 1
     alone = torch.cat([lin(x[i:i + width])[:1] for i in range(min(rows - width + 1, 20))])
     assert torch.equal(alone, out[:len(alone)])
+
+
+@pytest.mark.parametrize("rows", [17, 64, 300])
+def test_unpackable_bf16_weights_multiply_many_rows_in_float32(rows, monkeypatch):
+    """Where oneDNN cannot pack bfloat16 (an AVX2-only CPU), rows past the GEMV widen the weight and
+    multiply in float32, rounding the result to bfloat16 once, instead of ATen's bfloat16 GEMM."""
+    from meshserve.layers import cpu_gemm
+
+    monkeypatch.setattr(cpu_gemm, "onednn_packs_bf16", lambda: False)
+    lin, g = _bf16_linear(seed=rows)
+    assert cpu_gemm.widens_bf16(lin.weight) and lin._packed is None
+    x = torch.randn(rows, 96, generator=g).bfloat16()
+    real, seen = F.linear, []
+    monkeypatch.setattr(cpu_gemm.F, "linear", lambda a, w, b=None: seen.append((a.dtype, w.dtype)) or real(a, w, b))
+    out = lin(x)
+    assert seen == [(torch.float32, torch.float32)]
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(out, real(x.float(), lin.weight.float(), lin.bias.float()).bfloat16())
+    monkeypatch.setattr(cpu_gemm, "onednn_packs_bf16", lambda: True)  # the rule names this CPU kind only
+    assert not cpu_gemm.widens_bf16(lin.weight) and not cpu_gemm.widens_bf16(lin.weight.float())
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])

@@ -31,7 +31,8 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor* w, const torch
                      const PackedRows& rows) {
   // The same choice as cpu_gemm.PrepackedMatmul.matmul and quantization/matmul.py: a few rows
   // through the panels or the GEMV of the weight as stored, float or quantized; more rows through
-  // oneDNN on the packed weight, MKL beyond; quantized weights through qmatmul whatever the rows.
+  // oneDNN on the packed weight, MKL beyond (a bfloat16 weight without a packed copy in float32);
+  // quantized weights through qmatmul whatever the rows.
   const torch::Tensor& weight = w[0];
   const torch::Tensor& packed = w[1];
   std::optional<torch::Tensor> b;
@@ -53,6 +54,11 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor* w, const torch
                                               std::optional<c10::string_view>)>();
     return op.call(x.contiguous(), packed, b, "none", c10::List<std::optional<c10::Scalar>>(),
                    c10::string_view(""));
+  }
+  if (weight.scalar_type() == at::kBFloat16) {  // no packed copy: cpu_gemm.widens_bf16
+    std::optional<torch::Tensor> wide_bias;
+    if (b) wide_bias = b->to(at::kFloat);
+    return at::linear(x.to(at::kFloat), weight.to(at::kFloat), wide_bias).to(at::kBFloat16);
   }
   return at::linear(x, weight, b);
 }
