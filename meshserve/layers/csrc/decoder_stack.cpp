@@ -94,7 +94,21 @@ void write_kv(torch::Tensor cache, const torch::Tensor& slots, torch::Tensor x, 
     cache = cache.view(at::kByte);
     x = x.view(at::kByte);
   }
-  cache.view({-1, kvh, d}).index_copy_(0, slots, x);
+  // A token's KVH x D values are one contiguous row of x (a column slice of the QKV output) and
+  // one row of the cache: a copy each, where index_copy_ sets up a TensorIterator per call (about
+  // 5 us, two a layer, which a batch-1 decode step of a few ms feels).
+  const bool rows = cache.is_contiguous() && x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == d &&
+                    slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == x.size(0);
+  if (!rows) return cache.view({-1, kvh, d}).index_copy_(0, slots, x), void();
+  const int64_t n_slots = cache.numel() / (kvh * d), row_bytes = kvh * d * cache.element_size();
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  auto* dst = static_cast<char*>(cache.data_ptr());
+  const auto* src = static_cast<const char*>(x.data_ptr());
+  const int64_t src_stride = x.stride(0) * x.element_size();
+  for (int64_t t = 0; t < x.size(0); ++t) {
+    TORCH_CHECK(slot[t] >= 0 && slot[t] < n_slots, "write_kv: slot ", slot[t], " out of range [0, ", n_slots, ")");
+    std::memcpy(dst + slot[t] * row_bytes, src + t * src_stride, row_bytes);
+  }
 }
 
 // AttentionBackend.forward (layers/attention/base.py) with the CPU backend's attention (cpu.py).
@@ -111,6 +125,10 @@ torch::Tensor attention(const torch::Tensor& q, torch::Tensor k, torch::Tensor v
     k = from_cache(kq, k.scalar_type(), k_scale);
     v = from_cache(vq, v.scalar_type(), v_scale);
   }
+  const bool decode_only = s.prefill_groups.empty() && s.num_prefill_tokens == 0 && rows == q.size(0);
+  if (decode_only && present(s.decode_tables))  // the kernel's output is the layer's: no copy into a padded one
+    return paged_decode(q.contiguous(), k_cache.contiguous(), v_cache.contiguous(), s.decode_tables, s.decode_lens,
+                        std::pow(static_cast<double>(d), -0.5), k_scale, v_scale);
   auto out = torch::empty({rows, q.size(1), q.size(2)}, q.options());
   out.slice(0, q.size(0)).zero_();
   for (size_t g = 0; g * 4 < s.prefill_groups.size(); ++g) {

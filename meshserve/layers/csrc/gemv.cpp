@@ -11,7 +11,17 @@
 // kernels in cpu_kernels.cpp are, and chosen at run time.
 
 constexpr int64_t kGemvMaxRows = 16;
-constexpr int64_t kPrefetchBytes = 8192;
+// Bytes ahead on the weight's stream that each step asks for with a software prefetch, by path.
+// AVX2: none. On a 2-core Zen 4 (AVX-512 hidden) 8 KB ahead made the kernel alone 1.2x slower, in
+// float32 and bfloat16, on one thread and two (benchmarks/decode_batch1.py, and the kernel over the
+// embedded model's shapes with and without, in one process): a prefetch every 32 bytes of a stream
+// the hardware prefetcher already follows takes load slots and miss buffers from the loads.
+// AVX-512 (a prefetch every 64 bytes): 8 KB, as the kernel was written on a Zen 5 with AVX-512
+// (not measured without there since).
+template <int VW>
+constexpr int64_t prefetch_bytes() {
+  return VW == 16 ? 8192 : 0;
+}
 
 template <int VW>
 struct Lanes {
@@ -84,9 +94,7 @@ __attribute__((always_inline)) static inline void gemv_block(const W* w, const f
   using U32 = typename Lanes<VW>::U;
   constexpr int64_t S = step_values<VW, W>();
   const int64_t kv = K / S * S, ku = K / (S * U) * (S * U);
-  // Software prefetch about kPrefetchBytes ahead on the same stream: rows of a few hundred values
-  // end before the hardware prefetcher has ramped up its distance.
-  const int64_t ahead = (kPrefetchBytes + static_cast<int64_t>(sizeof(W)) - 1) / static_cast<int64_t>(sizeof(W));
+  constexpr int64_t ahead = prefetch_bytes<VW>() / static_cast<int64_t>(sizeof(W));
   for (int64_t n = n0; n < n1; ++n) {
     const W* row = w + n * K;
     F acc[U][M];
@@ -106,7 +114,10 @@ __attribute__((always_inline)) static inline void gemv_block(const W* w, const f
     };
     int64_t k = 0;
     for (; k < ku; k += S * U) {
-      for (int u = 0; u < U; ++u) __builtin_prefetch(row + k + u * S + ahead), step(k + u * S, u);
+      for (int u = 0; u < U; ++u) {
+        if constexpr (ahead > 0) __builtin_prefetch(row + k + u * S + ahead);
+        step(k + u * S, u);
+      }
     }
     for (; k < kv; k += S) step(k, 0);
     for (int m = 0; m < M; ++m) {
