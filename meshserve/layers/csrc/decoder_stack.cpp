@@ -125,10 +125,12 @@ torch::Tensor attention(const torch::Tensor& q, torch::Tensor k, torch::Tensor v
     k = from_cache(kq, k.scalar_type(), k_scale);
     v = from_cache(vq, v.scalar_type(), v_scale);
   }
+  auto decode = [&](int64_t first) {  // the step's decoding rows, from `first` on
+    return paged_decode(q.slice(0, first).contiguous(), k_cache.contiguous(), v_cache.contiguous(), s.decode_tables,
+                        s.decode_lens, std::pow(static_cast<double>(d), -0.5), k_scale, v_scale);
+  };
   const bool decode_only = s.prefill_groups.empty() && s.num_prefill_tokens == 0 && rows == q.size(0);
-  if (decode_only && present(s.decode_tables))  // the kernel's output is the layer's: no copy into a padded one
-    return paged_decode(q.contiguous(), k_cache.contiguous(), v_cache.contiguous(), s.decode_tables, s.decode_lens,
-                        std::pow(static_cast<double>(d), -0.5), k_scale, v_scale);
+  if (decode_only && present(s.decode_tables)) return decode(0);  // the kernel's output is the layer's: no copy
   auto out = torch::empty({rows, q.size(1), q.size(2)}, q.options());
   out.slice(0, q.size(0)).zero_();
   for (size_t g = 0; g * 4 < s.prefill_groups.size(); ++g) {
@@ -159,11 +161,7 @@ torch::Tensor attention(const torch::Tensor& q, torch::Tensor k, torch::Tensor v
     }
     out.slice(0, a, b).copy_(o);
   }
-  if (present(s.decode_tables)) {
-    const int64_t n = s.num_prefill_tokens;
-    out.slice(0, n, q.size(0)).copy_(paged_decode(q.slice(0, n).contiguous(), k_cache.contiguous(), v_cache.contiguous(), s.decode_tables,
-                                       s.decode_lens, std::pow(static_cast<double>(d), -0.5), k_scale, v_scale));
-  }
+  if (present(s.decode_tables)) out.slice(0, s.num_prefill_tokens, q.size(0)).copy_(decode(s.num_prefill_tokens));
   return out;
 }
 
