@@ -118,13 +118,24 @@ static inline void prefetch_l2(const char* p) { asm volatile("prefetcht1 %0" : :
 // Part `part` of `parts` asks for that share of the rows only: called once per query head, the
 // requests spread over the block's work instead of arriving as one burst of a block's lines, more
 // than the L2 can have in flight (1.4x faster again on the AVX2 path, same benchmark).
+// At the last block, `after` (`after_rows` rows) is what the kernel reads next: the first V block
+// after the last K block, the next sequence's first K block after the last V block (1.03x on the
+// benchmark's 320 tokens, 1.13x on 16 sequences of 100, where such ends are more of the blocks).
 template <typename T>
 static inline void prefetch_next_block(const T* cache, const int64_t* table, int64_t t0, int64_t L, int64_t bs,
-                                       int64_t row, int64_t width, int64_t part = 0, int64_t parts = 1) {
-  if (t0 + bs >= L) return;
-  const char* next = reinterpret_cast<const char*>(cache + table[t0 / bs + 1] * bs * row);
+                                       int64_t row, int64_t width, int64_t part = 0, int64_t parts = 1,
+                                       const T* after = nullptr, int64_t after_rows = 0) {
+  const char* next;
+  int64_t rows;
+  if (t0 + bs >= L) {
+    if (after == nullptr) return;
+    next = reinterpret_cast<const char*>(after);
+    rows = after_rows;
+  } else {
+    next = reinterpret_cast<const char*>(cache + table[t0 / bs + 1] * bs * row);
+    rows = std::min(bs, L - t0 - bs);
+  }
   const int64_t bytes = width * static_cast<int64_t>(sizeof(T)), stride = row * static_cast<int64_t>(sizeof(T));
-  const int64_t rows = std::min(bs, L - t0 - bs);
   for (int64_t j = part * rows / parts; j < (part + 1) * rows / parts; ++j)
     for (int64_t off = 0; off < bytes; off += 64) prefetch_l2(next + j * stride + off);
 }
@@ -168,11 +179,14 @@ static void paged_decode_impl(const T* qp, const C* kp, const C* vp, T* op, cons
       const int64_t* table = tables + b * max_blocks;
       for (int64_t i = 0; i < H * D; ++i) qb[i] = f32(qp[b * H * D + i]);
       p.resize(H * L);
+      const C* first_v = vp + table[0] * bs * row;
+      const C* next_k = b + 1 < end ? kp + tables[(b + 1) * max_blocks] * bs * row : nullptr;
+      const int64_t next_k_rows = b + 1 < end ? std::min(bs, lens[b + 1]) : 0;
       for (int64_t t0 = 0; t0 < L; t0 += bs) {
         const int64_t n = std::min(bs, L - t0);
         const auto* kb = block_values(kp + table[t0 / bs] * bs * row, scratch.data(), n * row);
         for (int64_t h = 0; h < H; ++h) {
-          prefetch_next_block(kp, table, t0, L, bs, row, row, h, H);
+          prefetch_next_block(kp, table, t0, L, bs, row, row, h, H, first_v, std::min(bs, L));
           const float* qh = qb.data() + h * D;
           const auto* kh = kb + (h / G) * D;
           float* ph = p.data() + h * L + t0;
@@ -196,7 +210,7 @@ static void paged_decode_impl(const T* qp, const C* kp, const C* vp, T* op, cons
         const int64_t n = std::min(bs, L - t0);
         const auto* vb = block_values(vp + table[t0 / bs] * bs * row, scratch.data(), n * row);
         for (int64_t h = 0; h < H; ++h) {
-          prefetch_next_block(vp, table, t0, L, bs, row, row, h, H);
+          prefetch_next_block(vp, table, t0, L, bs, row, row, h, H, next_k, next_k_rows);
           const float* ph = p.data() + h * L + t0;
           const auto* vh = vb + (h / G) * D;
           float* oh = ob.data() + h * D;
