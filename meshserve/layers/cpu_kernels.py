@@ -51,10 +51,11 @@ logger = logging.getLogger(__name__)
 # One translation unit, in this order: the later files call the earlier ones' kernels and helpers.
 _SOURCE_PATHS = [Path(__file__).parent / "csrc" / name for name in
                  ("cpu_kernels.cpp", "gemv.cpp", "quant_gemv.cpp", "paged_decode.cpp", "panel_gemm.cpp",
-                  "decoder_stack.cpp")]
+                  "prefill_attention.cpp", "decoder_stack.cpp")]
 _FUNCTIONS = ["paged_decode", "rms_norm", "silu_and_mul", "rotary_", "argmax_rows", "gemv", "gemv_isa",
               "decoder_stack", "allow_avx512", "panel_gemm", "panel_usable", "panel_isa",
-              "qgemv", "qmatmul", "qdequantize", "quant_isa", "set_quant_isa"]
+              "qgemv", "qmatmul", "qdequantize", "quant_isa", "set_quant_isa", "prefill_causal",
+              "prefill_causal_usable"]
 
 _lock = threading.Lock()
 _module = None
@@ -197,6 +198,20 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     """F.linear(x, weight, bias) for 0 to GEMV_MAX_ROWS rows of x, streaming the weight as stored
     (float32 or bfloat16, [N, K] contiguous); computed in float32, rounded once to x's dtype."""
     return _kernels().gemv(x, weight, bias)
+
+
+def prefill_usable(q: torch.Tensor, n: int) -> bool:
+    """prefill_causal takes these float32 heads of n prompts on this CPU (built with AVX2, head size
+    a multiple of 8, prompts up to 2,048 tokens, no AVX-512 taken: there PyTorch's own kernel runs
+    its AVX-512 path)."""
+    return (q.dtype == torch.float32 and q.device.type == "cpu" and available()
+            and _kernels().prefill_causal_usable(q.shape[-1], q.shape[0] // n))
+
+
+def prefill_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n: int) -> torch.Tensor:
+    """Causal attention of n fresh prompts of equal length packed back to back: q [n*L, H, D],
+    k, v [n*L, KVH, D] (each token's heads contiguous; rows may be strided) -> [n*L, H, D]."""
+    return _kernels().prefill_causal(q, k, v, n)
 
 
 def gemv_isa() -> str:

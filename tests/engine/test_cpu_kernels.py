@@ -12,12 +12,14 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from meshserve.layers import cpu_kernels
 from meshserve.layers.attention import AttentionSpec, create_backend
 from meshserve.layers.attention.torch_ref import gathered_decode
 from meshserve.utils.cpuinfo import cpu_flags, onednn_packs_bf16
-from meshserve.worker.step_packing import PackedStep
+from meshserve.worker.step_packing import PackedStep, PrefillSpan
 
 BLOCK = 16
 HEAD_DIM = 64
@@ -110,6 +112,83 @@ def test_other_dtypes_keep_pytorch_path():
     assert not cpu_kernels.usable(q.double(), k_cache.double())
     assert not cpu_kernels.usable(q.half(), k_cache.half())
     assert not cpu_kernels.usable(q, k_cache.bfloat16())  # one dtype for all of a kernel's tensors
+
+
+# ---- causal attention of fresh prompts (float32, AVX2 CPUs without AVX-512) ---------------------------
+
+def _split_qkv(n, length, heads, kv_heads, head_dim, seed=0):
+    """q, k, v as the model has them: column slices of one QKV output, so their rows are strided."""
+    g = torch.Generator().manual_seed(seed)
+    qkv = 3 * torch.randn(n * length, (heads + 2 * kv_heads) * head_dim, generator=g)
+    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=1)
+    return (q.view(-1, heads, head_dim), k.view(-1, kv_heads, head_dim), v.view(-1, kv_heads, head_dim))
+
+
+def _causal_sdpa(q, k, v, n):
+    def heads_first(x):
+        return x.reshape(n, -1, *x.shape[1:]).transpose(1, 2)
+    o = F.scaled_dot_product_attention(heads_first(q), heads_first(k), heads_first(v), is_causal=True,
+                                       enable_gqa=True)
+    return o.transpose(1, 2).reshape(q.shape)
+
+
+def test_prefill_kernel_runs_where_pytorch_has_no_avx512_path(isa):
+    q = torch.zeros(2 * 2048, 1, 64)  # two prompts of the longest length it takes
+    avx512_taken = isa == "avx512" and {"avx512f", "avx512bw", "avx512vl"} <= cpu_flags()
+    assert cpu_kernels.prefill_usable(q, 2) == (not avx512_taken)
+    assert not cpu_kernels.prefill_usable(q, 1)  # one prompt of 4,096: PyTorch's kernel is faster there
+    assert not cpu_kernels.prefill_usable(q.bfloat16(), 2)
+    assert not cpu_kernels.prefill_usable(torch.zeros(1, 1, 60), 1)  # head size not a multiple of 8
+
+
+# Prompt lengths either side of the kernel's tiles (six positions, sixteen keys), group sizes 1-4,
+# head sizes through the 32-column and the 8-column weighted sums.
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(n=st.integers(1, 3), length=st.integers(1, 70), kv_heads=st.integers(1, 3), group=st.integers(1, 4),
+       head_dim=st.sampled_from([8, 32, 40, 64, 128]), seed=st.integers(0, 3))
+def test_prefill_causal_is_causal_attention(n, length, kv_heads, group, head_dim, seed):
+    cpu_kernels.allow_avx512(False)  # where the CPU has AVX-512 the kernel is only taken so
+    try:
+        q, k, v = _split_qkv(n, length, kv_heads * group, kv_heads, head_dim, seed)
+        got = cpu_kernels.prefill_causal(q, k, v, n)
+    finally:
+        cpu_kernels.allow_avx512(True)
+    torch.testing.assert_close(got, _causal_sdpa(q, k, v, n), rtol=1e-4, atol=2e-5)
+    # The first position of each prompt attends to its own value row alone.
+    first = torch.arange(n) * length
+    torch.testing.assert_close(got[first], v[first].repeat_interleave(group, dim=1), rtol=1e-5, atol=1e-6)
+
+
+def test_prefill_causal_refuses_what_it_cannot_compute():
+    q, k, v = _split_qkv(2, 5, 9, 3, 64)
+    with pytest.raises(RuntimeError, match="equal length"):
+        cpu_kernels.prefill_causal(q, k, v, 3)
+    with pytest.raises(RuntimeError, match="float32"):
+        cpu_kernels.prefill_causal(q.bfloat16(), k.bfloat16(), v.bfloat16(), 2)
+    with pytest.raises(RuntimeError, match="multiple of kv_heads"):
+        cpu_kernels.prefill_causal(q[:, :8], k, v, 2)
+
+
+def test_cpu_backend_prefills_fresh_prompts_with_the_kernel(monkeypatch):
+    cpu_kernels.allow_avx512(False)  # where the CPU has AVX-512 the kernel is only taken so
+    try:
+        q, k, v = _split_qkv(2, 40, 9, 3, HEAD_DIM)
+        spans = [PrefillSpan(0, 40, 0, [0, 1, 2]), PrefillSpan(40, 80, 0, [3, 4, 5])]
+        packed = PackedStep(input_ids=[0] * 80, positions=list(range(40)) * 2, slot_mapping=list(range(80)),
+                            prefills=spans)
+        k_cache = torch.zeros(8, BLOCK, 3, HEAD_DIM)
+        calls = []
+        real = cpu_kernels.prefill_causal
+        monkeypatch.setattr(cpu_kernels, "prefill_causal", lambda *a: calls.append(a[3]) or real(*a))
+        outs = {}
+        for name in ("torch", "cpu"):
+            backend = create_backend(name, AttentionSpec(9, 3, BLOCK), CPU)
+            _, _, meta = backend.build_inputs(packed)
+            outs[name] = backend.forward(q, k, v, k_cache.clone(), k_cache.clone(), meta)
+        assert calls == [2]  # the CPU backend's, both prompts in one call
+    finally:
+        cpu_kernels.allow_avx512(True)
+    torch.testing.assert_close(outs["cpu"], outs["torch"], rtol=1e-4, atol=2e-5)
 
 
 # ---- bfloat16: read into float32, computed in float32, rounded once when stored ---------------------

@@ -1,6 +1,7 @@
 """The CPU backend: the PyTorch reference, with decodes read in place by the C++ kernel
 (cpu_kernels.paged_decode) where it takes the tensors (float32 or bfloat16, kernels built; the
-cache in that dtype or fp8, widened in the kernel).
+cache in that dtype or fp8, widened in the kernel), and fresh float32 prompts through
+cpu_kernels.prefill_causal where it runs (AVX2 CPUs without AVX-512).
 
 Its metadata has a type of its own because the C++ decoder stack (models/cpu_decoder_stack.py)
 runs whole layers, attention included, only for steps this backend built.
@@ -26,6 +27,11 @@ class CPUAttentionMetadata(TorchAttentionMetadata):
 class CPUBackend(TorchBackend):
     name = "cpu"
     metadata_type = CPUAttentionMetadata
+
+    def _prefill_fresh(self, q, k, v, n: int) -> torch.Tensor:
+        if cpu_kernels.prefill_usable(q, n):  # as the C++ decoder stack chooses (csrc/decoder_stack.cpp)
+            return cpu_kernels.prefill_causal(q, k, v, n)
+        return super()._prefill_fresh(q, k, v, n)
 
     def _decode(self, q, k_cache, v_cache, meta: TorchAttentionMetadata, scales: KVScales) -> torch.Tensor:
         tables, lens = meta.decode_block_tables, meta.decode_context_lens

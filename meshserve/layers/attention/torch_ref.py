@@ -68,13 +68,16 @@ class TorchBackend(AttentionBackend):
         for group in fresh_runs(meta.prefills):
             a, b = group[0].q_start, group[-1].q_end
             if group[0].num_cached == 0:
-                out[a:b] = _prefill_fresh(q[a:b], k[a:b], v[a:b], len(group))
+                out[a:b] = self._prefill_fresh(q[a:b], k[a:b], v[a:b], len(group))
             else:
                 out[a:b] = _prefill_cached(q[a:b], k_cache, v_cache, group[0], scales)
         if meta.decode_block_tables is not None:
             n = meta.num_prefill_tokens
             out[n:] = self._decode(q[n:], k_cache, v_cache, meta, scales)
         return out
+
+    def _prefill_fresh(self, q, k, v, n: int) -> torch.Tensor:
+        return _prefill_fresh(q, k, v, n)
 
     def _decode(self, q, k_cache, v_cache, meta: TorchAttentionMetadata, scales: KVScales) -> torch.Tensor:
         """Only for a step with decodes, whose tables and mask build_inputs set together."""

@@ -4,7 +4,8 @@
 // the same operators in the same order (so its output is bit-identical to the module path, which
 // the tests check) without leaving C++ between them, and without holding the GIL.
 //
-// Compiled together with cpu_kernels.cpp (rms_norm, silu_and_mul, rotary_, paged_decode).
+// Compiled together with cpu_kernels.cpp (rms_norm, silu_and_mul, rotary_, paged_decode) and
+// prefill_attention.cpp (prefill_causal).
 
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <pybind11/pybind11.h>
@@ -138,7 +139,9 @@ torch::Tensor attention(const torch::Tensor& q, torch::Tensor k, torch::Tensor v
     const int64_t n = s.prefill_groups[4 * g + 2], cached = s.prefill_groups[4 * g + 3];
     auto qs = q.slice(0, a, b);
     torch::Tensor o;
-    if (cached == 0) {  // n equal-length fresh prompts: one causal SDPA over [n, heads, L, D]
+    if (cached == 0 && qs.scalar_type() == at::kFloat && prefill_causal_usable(qs.size(2), (b - a) / n)) {
+      o = prefill_causal(qs, k.slice(0, a, b), v.slice(0, a, b), n);  // as attention/cpu.py chooses
+    } else if (cached == 0) {  // n equal-length fresh prompts: one causal SDPA over [n, heads, L, D]
       auto heads_first = [n](const torch::Tensor& x) {
         return x.view({n, -1, x.size(1), x.size(2)}).transpose(1, 2);
       };
