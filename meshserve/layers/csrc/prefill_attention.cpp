@@ -4,10 +4,11 @@
 // attention on CPU multiplies 64-row blocks of each head through BLAS calls and rescales an online
 // softmax; here each tile of six positions of one head takes its scores against exactly the keys it
 // sees, in registers (six rows x sixteen keys), then an exact softmax over them and the weighted sum
-// of the values (three rows x 32 columns). On a 2-core Zen 4 without AVX-512 this is 2x faster than
-// F.scaled_dot_product_attention on the embedded model's 256-token prompts (benchmarks/prefill_attention.py).
+// of the values (three rows x 32 columns). On a 2-core Zen 4 without AVX-512 this is 1.9x faster
+// than F.scaled_dot_product_attention on the embedded model's 256-token prompts
+// (benchmarks/prefill_attention.py).
 //
-// Compiled together with cpu_kernels.cpp (exp_approx) and paged_decode.cpp (cpu_has_avx512).
+// Compiled together with cpu_kernels.cpp (exp_approx, cpu_has_avx512).
 
 namespace prefill {
 
