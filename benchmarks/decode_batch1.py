@@ -6,7 +6,9 @@ ignore_eos), ms per token = (time of 1 + 128 tokens - time of 1 token) / 128, th
 decode step, every sequence one token), the batch sizes a served engine runs at low load. Beside
 it: the bytes of weights one step reads (every linear layer and the LM head), the rate that makes,
 and that rate over the read bandwidth measured in the same run (a sum over a 1 GiB float32 buffer
-on the threads the engine uses). Goal: float32 and bfloat16 batch-1 decode at >= 85% of it.
+on the threads the engine uses, on plain pages as PyTorch allocates them and on the transparent
+huge pages the engine keeps its weights on; the two differ by up to 2x on some machines). Goal:
+float32 and bfloat16 batch-1 decode at >= 85% of it.
 
 Each variant runs in its own process, in turns (rounds), so the machine's drift falls on all of
 them: float32 and bfloat16, each with the decode GEMV and weight panels (csrc/gemv.cpp,
@@ -35,11 +37,17 @@ import sys
 import time
 
 
-def read_bandwidth(threads: int, nbytes: int = 1 << 30, repeats: int = 5) -> float:
-    """Bytes per second a sum over a buffer far larger than the caches reads."""
+def read_bandwidth(threads: int, nbytes: int = 1 << 30, repeats: int = 5, huge: bool = False) -> float:
+    """Bytes per second a sum over a buffer far larger than the caches reads; with `huge`, a buffer
+    on transparent huge pages (where the engine keeps its weights and KV cache)."""
     import torch
+
+    from meshserve.utils import huge_pages
     torch.set_num_threads(threads)
-    buf = torch.ones(nbytes // 4, dtype=torch.float32)
+    if huge:
+        buf = huge_pages.zeros((nbytes // 4,), torch.float32).fill_(1.0)
+    else:
+        buf = torch.ones(nbytes // 4, dtype=torch.float32)
     buf.sum()
     times = []
     for _ in range(repeats):
@@ -150,6 +158,7 @@ def main() -> int:
             print(f"{batched} is not there: llama.cpp runs batch 1 only", file=sys.stderr)
             batched = None
     bandwidth: list[float] = []
+    huge_bandwidth: list[float] = []
     threads = None
     for r in range(args.repeats):
         order = list(variants) if r % 2 == 0 else list(variants)[::-1]
@@ -183,20 +192,23 @@ def main() -> int:
                 llama.setdefault((f, 0), []).append(ms)
                 print(f"round {r + 1}: llama.cpp {os.path.basename(f)}: prefill {ms:.1f} ms", flush=True)
         bandwidth.append(read_bandwidth(threads))
-    bw = statistics.median(bandwidth)
-    print(f"\nread bandwidth ({threads} threads, 1 GiB sum): {bw / 1e9:.1f} GB/s (median of {len(bandwidth)})")
+        huge_bandwidth.append(read_bandwidth(threads, huge=True))
+    bw, huge_bw = statistics.median(bandwidth), statistics.median(huge_bandwidth)
+    print(f"\nread bandwidth ({threads} threads, 1 GiB sum, median of {len(bandwidth)}): {bw / 1e9:.1f} GB/s on "
+          f"plain pages, {huge_bw / 1e9:.1f} GB/s on huge pages")
 
     def step_ms(name: str, batch: int) -> float:
         return statistics.median(x["step_ms"][str(batch) if batch else "prefill"] for x in results[name])
 
-    print(f"{'engine':28} {'batch':>5} {'ms/step':>8} {'out tok/s':>9} {'GB/step':>8} {'GB/s':>6} {'of bandwidth':>13}")
+    print(f"{'engine':28} {'batch':>5} {'ms/step':>8} {'out tok/s':>9} {'GB/step':>8} {'GB/s':>6} "
+          f"{'of bandwidth: plain':>20} {'huge pages':>10}")
     for name, runs in results.items():
         nbytes = runs[0]["weight_bytes"]
         for batch in args.batches:
             ms = step_ms(name, batch)
             rate = nbytes / (ms / 1e3)
             print(f"{name:28} {batch:5} {ms:8.2f} {batch / ms * 1e3:9.1f} {nbytes / 1e9:8.3f} {rate / 1e9:6.1f} "
-                  f"{rate / bw:12.0%}")
+                  f"{rate / bw:20.0%} {rate / huge_bw:10.0%}")
     for (f, batch), times in llama.items():
         ms = statistics.median(times)
         if batch:

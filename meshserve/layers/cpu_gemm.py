@@ -42,13 +42,16 @@ matmul works in 16-row tiles anyway, so the padding costs nothing once warm.
 """
 from __future__ import annotations
 
+import functools
 import os
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
 from meshserve.layers import cpu_kernels
 from meshserve.layers.quantization.matmul import QuantizedMatmul
+from meshserve.utils import huge_pages
 from meshserve.utils.cpuinfo import cpu_vendor, onednn_packs_bf16
 
 # MKL's sgemm, which F.linear calls, takes its fastest paths on Intel CPUs: there it matches oneDNN's
@@ -185,14 +188,47 @@ class PrepackedMatmul:
         return F.linear(x, self.weight, bias)
 
 
-def prepack_model(model: torch.nn.Module) -> None:
-    """Pack every linear weight of the model (again, after the weights changed)."""
+def prepack_model(model: torch.nn.Module) -> huge_pages.Arena | None:
+    """Pack every linear weight of the model (again, after the weights changed); returns the block
+    its streamed weights went to (None: not a CPU model)."""
     for m in model.modules():
         if isinstance(m, PrepackedMatmul):
             m.prepack()
+    arena = place_streamed_weights(model)
     use_cpu_stack = getattr(model, "use_cpu_stack", None)
     if use_cpu_stack is not None:  # the C++ layer loop holds the packed copies: give it the new ones
         use_cpu_stack()
+    return arena
+
+
+def place_streamed_weights(model: torch.nn.Module) -> huge_pages.Arena | None:
+    """Move what a CPU decode step streams (each linear weight as stored, its panels, its quantized
+    blocks) into one block of host memory on huge pages, in the order of the layers
+    (utils/huge_pages.py); returns the block (None: not a CPU model). oneDNN's packed copies stay
+    where they are: opaque tensors, read by prompt steps that are compute-bound anyway."""
+    slots: list[tuple[torch.Tensor, Callable[[torch.Tensor], None]]] = []
+    for m in model.modules():
+        if not isinstance(m, PrepackedMatmul):
+            continue
+        if m.weight.device.type != "cpu":
+            return None
+        if m.weight.numel():
+            slots.append((m.weight.data, functools.partial(setattr, m.weight, "data")))
+        if m._panels is not None:
+            slots.append((m._panels, functools.partial(setattr, m, "_panels")))
+        for segment in m.quant.segments if m.quant is not None else []:
+            if segment.blocks is not None:
+                slots.append((segment.blocks.data, functools.partial(setattr, segment.blocks, "data")))
+    slots = [(t, put) for t, put in slots if t.is_contiguous()]
+    if not slots:
+        return None
+    arena = huge_pages.Arena([t for t, _ in slots])
+    slots.reverse()
+    while slots:  # each original goes as soon as its copy is in: never two copies of the weights
+        t, put = slots.pop()
+        put(arena.move(t))
+        del t
+    return arena
 
 
 def panel_bytes(model: torch.nn.Module) -> int:

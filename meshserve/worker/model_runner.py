@@ -28,6 +28,7 @@ from meshserve.models.loader import ModelSource
 from meshserve.models.model_config import ModelConfig
 from meshserve.models.registry import model_class
 from meshserve.sampling_params import SamplingParams
+from meshserve.utils import huge_pages
 from meshserve.utils.heap import keep_freed_heap, release_free_heap
 from meshserve.worker.cuda_graphs import DecodeGraphInputs, DecodeGraphs, capture_sizes, graphs_disabled_reason
 from meshserve.worker.memory_budget import (
@@ -102,7 +103,11 @@ class ModelRunner:
             p.data = p.data.to(self.dtype)  # buffers (rotary tables) stay float32: bf16 positions lose precision
         if self.device.type == "cpu" and self.dtype in cpu_kernels.DTYPES:
             cpu_kernels.available()  # compile (or load) them now, not during the first request
-        prepack_model(self.model)
+        arena = prepack_model(self.model)
+        if arena is not None and self.ps.rank == 0:
+            logger.info("linear weights streamed by decode steps: %.0f MiB in one block, %s", arena.nbytes / 2 ** 20,
+                        "on transparent huge pages" if arena.huge else
+                        f"on plain pages (transparent huge pages: {huge_pages.thp_mode() or 'none'})")
         if self.device.type == "cpu":
             panels = panel_bytes(self.model)
             if panels and self.ps.rank == 0:
@@ -236,7 +241,10 @@ class ModelRunner:
         """With CUDA graphs one spare block past `num_blocks` takes the padding rows' K/V."""
         spare = 1 if self.graph_sizes else 0
         shape = (2, num_blocks + spare, self.block_size, self.num_kv_heads, self.head_dim)
-        self.kv_caches = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device) for _ in self.model.layers]
+        if self.device.type == "cpu":  # decode attention streams it: one block on huge pages (utils/huge_pages.py)
+            self.kv_caches = list(huge_pages.zeros((len(self.model.layers), *shape), self.kv_dtype).unbind(0))
+        else:
+            self.kv_caches = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device) for _ in self.model.layers]
         if self.device.type == "cpu":  # what loading left is given back once; what steps free is kept
             release_free_heap()
             if keep_freed_heap() and self.ps.rank == 0:
