@@ -1,5 +1,5 @@
 """Host memory on transparent huge pages (Linux), for what CPU decode streams from memory every step:
-the weights and the KV cache.
+the weights.
 
 A batch-1 decode step reads every weight once. On 4 KiB pages that stream takes a TLB miss every 4
 KiB (a two-dimensional page walk under a hypervisor) and the hardware prefetcher starts over at
@@ -67,8 +67,8 @@ def empty(nbytes: int) -> tuple[torch.Tensor, bool]:
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A zeroed host tensor on huge pages where the kernel offers them (see `empty`). Its last huge
-    page is resident whole once written: one tensor for many small ones (a KV cache's layers), not
-    one each."""
+    page is resident whole once written. The first touch of fresh huge pages can wait on the kernel
+    compacting memory (4 GiB took 3.8 s where plain pages took 1.1 s, and 0.3 s a second time)."""
     block, _ = empty(math.prod(shape) * dtype.itemsize)
     return block.view(dtype).view(shape).zero_()
 

@@ -241,10 +241,7 @@ class ModelRunner:
         """With CUDA graphs one spare block past `num_blocks` takes the padding rows' K/V."""
         spare = 1 if self.graph_sizes else 0
         shape = (2, num_blocks + spare, self.block_size, self.num_kv_heads, self.head_dim)
-        if self.device.type == "cpu":  # decode attention streams it: one block on huge pages (utils/huge_pages.py)
-            self.kv_caches = list(huge_pages.zeros((len(self.model.layers), *shape), self.kv_dtype).unbind(0))
-        else:
-            self.kv_caches = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device) for _ in self.model.layers]
+        self.kv_caches = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device) for _ in self.model.layers]
         if self.device.type == "cpu":  # what loading left is given back once; what steps free is kept
             release_free_heap()
             if keep_freed_heap() and self.ps.rank == 0:
