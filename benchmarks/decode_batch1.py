@@ -39,7 +39,7 @@ import time
 
 def read_bandwidth(threads: int, nbytes: int = 1 << 30, repeats: int = 5, huge: bool = False) -> float:
     """Bytes per second a sum over a buffer far larger than the caches reads; with `huge`, a buffer
-    on transparent huge pages (where the engine keeps its weights and KV cache)."""
+    on transparent huge pages (where the engine keeps its weights)."""
     import torch
 
     from meshserve.utils import huge_pages

@@ -52,13 +52,13 @@ def _madvise() -> Callable[[int, int, int], int] | None:
 def empty(nbytes: int) -> tuple[torch.Tensor, bool]:
     """(nbytes of untouched uint8 host memory starting on a huge page, whether the kernel was asked
     to back it with huge pages when it is first written)."""
-    block = torch.empty(nbytes + HUGE_PAGE_BYTES, dtype=torch.uint8)
+    length = -(-nbytes // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES  # the advice covers whole huge pages
+    block = torch.empty(length + HUGE_PAGE_BYTES, dtype=torch.uint8)  # room to start on one
     start = -block.data_ptr() % HUGE_PAGE_BYTES
     out = block[start:start + nbytes]
     madvise = _madvise()
     if madvise is None or thp_mode() not in ("always", "madvise"):
         return out, False
-    length = -(-nbytes // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES  # within `block`: it has a huge page to spare
     if madvise(out.data_ptr(), length, _MADV_HUGEPAGE) != 0:
         logger.debug("madvise(MADV_HUGEPAGE) failed: errno %d", ctypes.get_errno())
         return out, False
@@ -74,10 +74,10 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 
 
 class Arena:
-    """Tensors moved one at a time into one block from `empty`, in the order `plan` saw them; a
-    storage seen twice (a tied weight) takes one place. Each `move` copies its tensor in and returns
-    the copy, so that the caller drops the original before the next: the process never holds more
-    than one tensor twice."""
+    """Tensors moved one at a time into one block from `empty`, in the order given to the
+    constructor; a storage seen twice (a tied weight) takes one place. Each `move` copies its tensor
+    in and returns the copy, so that the caller drops the original before the next: the process
+    never holds more than one tensor twice."""
 
     def __init__(self, tensors: list[torch.Tensor]):
         self.offsets: dict[tuple[int, int], int] = {}
