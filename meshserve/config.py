@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 from meshserve.kv_transfer import KV_ROLES, TRANSPORTS
 from meshserve.utils.checks import check_positive_int, check_range
 from meshserve.utils.cli_fields import add_flags, flag, values_for
-from meshserve.utils.cpuinfo import cpu_flags
+from meshserve.utils.cpuinfo import cpu_bf16_matmul_isa
 
 if TYPE_CHECKING:
     import torch  # at run time imported where needed: building the CLI parser stays fast
@@ -214,22 +214,12 @@ def auto_dtype(device_type: str, bf16_supported: bool, quantized: bool = False) 
         if isa:
             return "bfloat16", (f"auto on CPU: this CPU multiplies bfloat16 natively ({isa}): half the bytes per "
                                 "decode step, and oneDNN's bfloat16 GEMMs outrun float32's")
-        return "float32", ("auto on CPU: without AVX512-BF16 or AMX, bfloat16 decodes one sequence faster (half the "
-                           "bytes) but prefills and decodes batches of 4 or more slower than float32")
+        return "float32", ("auto on CPU: without AVX512-BF16 or AMX (on this CPU, or allowed by ONEDNN_MAX_CPU_ISA), "
+                           "bfloat16 decodes one sequence faster (half the bytes) but prefills and decodes "
+                           "batches of 4 or more slower than float32")
     if bf16_supported:
         return "bfloat16", "auto on a GPU with native bf16: fp32's range at half the bytes"
     return "float16", "auto on a GPU without native bf16 (before Ampere): float16"
-
-
-def cpu_bf16_matmul_isa() -> str | None:
-    """The instructions this CPU multiplies bfloat16 with ("AMX" or "AVX512-BF16"), or None. oneDNN
-    packs bfloat16 weights for AVX512-BF16 only with AVX-512 BW and VL beside it."""
-    flags = cpu_flags()
-    if "amx_bf16" in flags:
-        return "AMX"
-    if {"avx512_bf16", "avx512bw", "avx512vl"} <= flags:
-        return "AVX512-BF16"
-    return None
 
 
 def _cuda_bf16_supported(device: torch.device) -> bool:

@@ -52,7 +52,7 @@ import torch.nn.functional as F
 from meshserve.layers import cpu_kernels
 from meshserve.layers.quantization.matmul import QuantizedMatmul
 from meshserve.utils import huge_pages
-from meshserve.utils.cpuinfo import cpu_vendor, onednn_packs_bf16
+from meshserve.utils.cpuinfo import cpu_bf16_matmul_isa, cpu_vendor, onednn_packs_bf16
 
 # MKL's sgemm, which F.linear calls, takes its fastest paths on Intel CPUs: there it matches oneDNN's
 # packed weight from a few hundred rows (the crossover measured between 150 and 250 rows on two
@@ -84,6 +84,12 @@ PANEL_MAX_ROWS = 64
 # float32, both cores, a Zen 4 EPYC with AVX-512 masked: time ratio to oneDNN 0.60 at 1 row, 0.53 at
 # 4, 0.69 at 8, 0.89 at 16, 1.03 at 24, 1.13 at 32; to the GEMV 1.05 at 1, 0.57 at 4, 0.62 at 8.
 PANEL_MAX_ROWS_AVX2 = 16
+# Where oneDNN multiplies bfloat16 on AMX tiles it overtakes the panels early: on an Emerald Rapids
+# Xeon, both cores, time ratio panels/oneDNN 0.83 at 8 rows, 1.25 at 12, 1.72 at 16, 4.9 at 64. In
+# float32 its AVX-512 kernels overtake them at 32 rows on the same Xeon (0.87 at 16, 1.09 at 32,
+# 1.23 at 64), not before 64 on the Zen 4 EPYC above: Intel's two 512-bit FMA ports.
+PANEL_MAX_ROWS_AMX = 8
+PANEL_MAX_ROWS_INTEL = 16
 
 
 def packs(dtype: torch.dtype) -> bool:
@@ -118,7 +124,11 @@ def panel_max_rows(dtype: torch.dtype) -> int:
     (csrc/panel_gemm.cpp); 0 where they cannot run now."""
     if not (_small_rows_kernels() and cpu_kernels.panel_usable(dtype)):
         return 0
-    return PANEL_MAX_ROWS_AVX2 if dtype == torch.float32 and cpu_kernels.panel_isa() == "avx2" else PANEL_MAX_ROWS
+    if dtype == torch.bfloat16:
+        return PANEL_MAX_ROWS_AMX if packs(dtype) and cpu_bf16_matmul_isa() == "AMX" else PANEL_MAX_ROWS
+    if cpu_kernels.panel_isa() == "avx2":
+        return PANEL_MAX_ROWS_AVX2
+    return PANEL_MAX_ROWS_INTEL if cpu_vendor() == "GenuineIntel" else PANEL_MAX_ROWS
 
 
 def gemv_max_rows(dtype: torch.dtype) -> int:

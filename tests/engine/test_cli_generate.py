@@ -32,6 +32,7 @@ def test_device_defaults(monkeypatch):
 
     from meshserve import config
     from meshserve.config import EngineConfig
+    from meshserve.utils import cpuinfo
 
     # On a CPU, float weights compute in bfloat16 where the CPU multiplies it natively (with
     # AVX-512 BW/VL beside AVX512-BF16, which oneDNN needs to pack it), else in float32; quantized
@@ -41,13 +42,25 @@ def test_device_defaults(monkeypatch):
              ({"avx512_bf16", "avx512f"}, "float32", "without AVX512-BF16"),
              ({"avx2", "fma"}, "float32", "without AVX512-BF16")]
     for flags, expected, reason in cases:
-        monkeypatch.setattr(config, "cpu_flags", lambda flags=flags: flags)
+        monkeypatch.setattr(cpuinfo, "cpu_flags", lambda flags=flags: flags)
         name, why = config.auto_dtype("cpu", False)
         assert (name, reason in why) == (expected, True), (flags, name, why)
         assert config.auto_dtype("cpu", False, quantized=True)[0] == "float32"
         chosen = EngineConfig(device="cpu", quantization="none").dtype_choice()
         assert chosen == (getattr(torch, expected), why)
         assert EngineConfig(device="cpu", quantization="gguf").resolved_dtype() == torch.float32
+    # oneDNN capped below a level (ONEDNN_MAX_CPU_ISA) cannot use it, whatever the CPU has
+    monkeypatch.setattr(cpuinfo, "cpu_flags", lambda: cases[0][0] | {"avx512dq"})
+    for cap, expected, reason in [("avx512_core_amx", "bfloat16", "AMX"), ("AVX10_1_512_AMX", "bfloat16", "AMX"),
+                                  ("AVX512_CORE_BF16", "bfloat16", "AVX512-BF16"),
+                                  ("AVX512_CORE_VNNI", "float32", "ONEDNN_MAX_CPU_ISA"),
+                                  ("AVX2", "float32", "ONEDNN_MAX_CPU_ISA"), ("ALL", "bfloat16", "AMX"),
+                                  ("no-such-level", "bfloat16", "AMX")]:
+        monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", cap)
+        name, why = config.auto_dtype("cpu", False)
+        assert (name, reason in why) == (expected, True), (cap, name, why)
+        assert cpuinfo.onednn_packs_bf16() == (cap != "AVX2")
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     cfg = EngineConfig()
     monkeypatch.setattr(config, "_cuda_bf16_supported", lambda device: True)

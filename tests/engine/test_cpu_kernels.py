@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from meshserve.layers import cpu_kernels
 from meshserve.layers.attention import AttentionSpec, create_backend
 from meshserve.layers.attention.torch_ref import gathered_decode
-from meshserve.utils.cpuinfo import cpu_flags, onednn_packs_bf16
+from meshserve.utils.cpuinfo import cpu_flags, cpu_vendor, onednn_packs_bf16
 from meshserve.worker.step_packing import PackedStep, PrefillSpan
 
 BLOCK = 16
@@ -161,12 +161,19 @@ def test_prefill_causal_is_causal_attention(n, length, kv_heads, group, head_dim
 
 def test_prefill_causal_refuses_what_it_cannot_compute():
     q, k, v = _split_qkv(2, 5, 9, 3, 64)
-    with pytest.raises(RuntimeError, match="equal length"):
-        cpu_kernels.prefill_causal(q, k, v, 3)
-    with pytest.raises(RuntimeError, match="float32"):
-        cpu_kernels.prefill_causal(q.bfloat16(), k.bfloat16(), v.bfloat16(), 2)
-    with pytest.raises(RuntimeError, match="multiple of kv_heads"):
-        cpu_kernels.prefill_causal(q[:, :8], k, v, 2)
+    previous = cpu_kernels.allow_avx512(False)  # with AVX-512 it refuses every call ("not for this CPU")
+    try:
+        with pytest.raises(RuntimeError, match="equal length"):
+            cpu_kernels.prefill_causal(q, k, v, 3)
+        with pytest.raises(RuntimeError, match="float32"):
+            cpu_kernels.prefill_causal(q.bfloat16(), k.bfloat16(), v.bfloat16(), 2)
+        with pytest.raises(RuntimeError, match="multiple of kv_heads"):
+            cpu_kernels.prefill_causal(q[:, :8], k, v, 2)
+    finally:
+        cpu_kernels.allow_avx512(previous)
+    if {"avx512f", "avx512bw", "avx512vl"} <= cpu_flags():
+        with pytest.raises(RuntimeError, match="not for this CPU"):
+            cpu_kernels.prefill_causal(q, k, v, 2)
 
 
 def test_cpu_backend_prefills_fresh_prompts_with_the_kernel(monkeypatch):
@@ -430,14 +437,18 @@ def _packed_row_counts():
 
 def _small_row_limits(dtype, packing: bool) -> tuple[int, int]:
     """(panel, GEMV) row limits this CPU must choose now: the panels where they run (AVX-512 to
-    PANEL_MAX_ROWS; float32 on AVX2 to PANEL_MAX_ROWS_AVX2; bfloat16 only with AVX512-BF16) and
+    PANEL_MAX_ROWS, float32 on an Intel CPU to PANEL_MAX_ROWS_INTEL, bfloat16 beside oneDNN on AMX to
+    PANEL_MAX_ROWS_AMX; float32 on AVX2 to PANEL_MAX_ROWS_AVX2; bfloat16 only with AVX512-BF16) and
     then no GEMV; else the GEMV's AVX-512 path to its measured crossover with oneDNN beside a packed
     weight, otherwise to the GEMV's limit."""
     from meshserve.layers import cpu_gemm
 
     avx512 = cpu_kernels.gemv_isa() == "avx512"
-    if avx512 and (dtype == torch.float32 or "avx512_bf16" in cpu_flags()):
-        panel = cpu_gemm.PANEL_MAX_ROWS
+    intel = cpu_vendor() == "GenuineIntel"
+    if avx512 and dtype == torch.float32:
+        panel = cpu_gemm.PANEL_MAX_ROWS_INTEL if intel else cpu_gemm.PANEL_MAX_ROWS
+    elif avx512 and "avx512_bf16" in cpu_flags():
+        panel = cpu_gemm.PANEL_MAX_ROWS_AMX if packing and "amx_bf16" in cpu_flags() else cpu_gemm.PANEL_MAX_ROWS
     elif dtype == torch.float32 and {"avx2", "fma"} <= cpu_flags():
         panel = cpu_gemm.PANEL_MAX_ROWS_AVX2
     else:
@@ -533,13 +544,15 @@ def test_bf16_packed_linear_takes_every_row_count(rows, packing, monkeypatch, is
     assert torch.equal(alone, out[:len(alone)])
 
 
-@pytest.mark.parametrize("rows", [17, 64, 300])
-def test_unpackable_bf16_weights_multiply_many_rows_in_float32(rows, monkeypatch):
-    """Where oneDNN cannot pack bfloat16 (an AVX2-only CPU), rows past the GEMV widen the weight and
-    multiply in float32, rounding the result to bfloat16 once, instead of ATen's bfloat16 GEMM."""
+@pytest.mark.parametrize("past", [1, 48, 236])
+def test_unpackable_bf16_weights_multiply_many_rows_in_float32(past, monkeypatch):
+    """Where oneDNN cannot pack bfloat16 (an AVX2-only CPU), rows past the GEMV and the panels widen
+    the weight and multiply in float32, rounding the result to bfloat16 once, instead of ATen's
+    bfloat16 GEMM."""
     from meshserve.layers import cpu_gemm
 
     monkeypatch.setattr(cpu_gemm, "onednn_packs_bf16", lambda: False)
+    rows = max(_small_row_limits(torch.bfloat16, packing=False)) + past
     lin, g = _bf16_linear(seed=rows)
     assert cpu_gemm.widens_bf16(lin.weight) and lin._packed is None
     x = torch.randn(rows, 96, generator=g).bfloat16()

@@ -19,7 +19,7 @@ import pytest
 
 from meshserve.utils.server_process import LaunchedServer, free_port
 
-REQUESTS = 16  # per phase
+REQUESTS = 10  # per phase
 CONCURRENCY = 4
 MAX_TOKENS = 200
 REQUEST_TIMEOUT_S = 90
