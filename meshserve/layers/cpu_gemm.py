@@ -87,7 +87,7 @@ PANEL_MAX_ROWS_AVX2 = 16
 # Where oneDNN multiplies bfloat16 on AMX tiles it overtakes the panels early: on an Emerald Rapids
 # Xeon, both cores, time ratio panels/oneDNN 0.83 at 8 rows, 1.25 at 12, 1.72 at 16, 4.9 at 64. In
 # float32 its AVX-512 kernels overtake them at 32 rows on the same Xeon (0.87 at 16, 1.09 at 32,
-# 1.23 at 64), not before 64 on the Zen 4 EPYC above: Intel's two 512-bit FMA ports.
+# 1.23 at 64), not before 64 on the Zen 4 EPYC above.
 PANEL_MAX_ROWS_AMX = 8
 PANEL_MAX_ROWS_INTEL = 16
 
