@@ -34,14 +34,19 @@ def cpu_vendor() -> str:
     return " ".join(_first_field("vendor_id"))
 
 
-def onednn_allows(level: str) -> bool:
-    """Whether ONEDNN_MAX_CPU_ISA (read once, when oneDNN starts) lets oneDNN use `level`; unset,
-    "ALL", "DEFAULT" or a name it does not know leave every level the CPU has."""
+@functools.cache
+def _onednn_cap() -> int | None:
+    """ONEDNN_MAX_CPU_ISA's place in _ONEDNN_LEVELS, read once as oneDNN reads it (the matmul rules
+    ask on every call); None where unset, "ALL", "DEFAULT" or a name it does not know: no cap."""
     cap = os.environ.get("ONEDNN_MAX_CPU_ISA", os.environ.get("DNNL_MAX_CPU_ISA", "")).strip().upper()
     cap = _ONEDNN_ALIASES.get(cap, cap)
-    if cap not in _ONEDNN_LEVELS:
-        return True
-    return _ONEDNN_LEVELS.index(_ONEDNN_ALIASES.get(level, level)) <= _ONEDNN_LEVELS.index(cap)
+    return _ONEDNN_LEVELS.index(cap) if cap in _ONEDNN_LEVELS else None
+
+
+def onednn_allows(level: str) -> bool:
+    """Whether oneDNN's cap (ONEDNN_MAX_CPU_ISA) lets it use `level`."""
+    cap = _onednn_cap()
+    return cap is None or _ONEDNN_LEVELS.index(_ONEDNN_ALIASES.get(level, level)) <= cap
 
 
 def onednn_packs_bf16() -> bool:

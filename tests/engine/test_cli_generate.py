@@ -57,10 +57,12 @@ def test_device_defaults(monkeypatch):
                                   ("AVX2", "float32", "ONEDNN_MAX_CPU_ISA"), ("ALL", "bfloat16", "AMX"),
                                   ("no-such-level", "bfloat16", "AMX")]:
         monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", cap)
+        cpuinfo._onednn_cap.cache_clear()  # read once per process, as oneDNN reads it
         name, why = config.auto_dtype("cpu", False)
         assert (name, reason in why) == (expected, True), (cap, name, why)
         assert cpuinfo.onednn_packs_bf16() == (cap != "AVX2")
     monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
+    cpuinfo._onednn_cap.cache_clear()
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     cfg = EngineConfig()
     monkeypatch.setattr(config, "_cuda_bf16_supported", lambda device: True)
