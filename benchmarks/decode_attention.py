@@ -1,13 +1,15 @@
 """Decode attention per layer on CPU: the PyTorch gather + SDPA path against the paged C++ kernel,
 the kernel on its AVX-512 path (where the CPU has it) and on its AVX2 one.
 
-SmolLM2-135M geometry (9 query heads, 3 KV heads, head_dim 64, --block-size tokens per block), float32, a batch
+SmolLM2-135M geometry (9 query heads, 3 KV heads, head_dim 64, --block-size tokens per block), float32 or
+--dtype bfloat16 (the AVX512-BF16 path where the CPU has it), a batch
 of decoding sequences whose blocks are scattered through a larger cache as after some serving.
 Each pass runs over --layers such caches, as a decode step does, so K/V come from memory and not
 from the last-level cache; beside each time, the K/V bytes read per second. The machine may be
 shared, so each figure is the minimum over many interleaved repeats.
 
     python3 benchmarks/decode_attention.py [--batch 64] [--context 320] [--threads 1 2] [--repeats 20] [--block-size 16]
+                                           [--dtype float32|bfloat16]
 """
 from __future__ import annotations
 
@@ -56,10 +58,13 @@ def main() -> int:
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     args = ap.parse_args()
     if not cpu_kernels.available():
         raise SystemExit("the CPU attention kernel did not build; nothing to compare")
     q, caches, tables, mask, lens = make_inputs(args.batch, args.context, args.layers, block_size=args.block_size)
+    dtype = getattr(torch, args.dtype)
+    q, caches = q.to(dtype), [(k.to(dtype), v.to(dtype)) for k, v in caches]
     scale = q.shape[-1] ** -0.5
 
     def kernel(wide: bool):
@@ -78,12 +83,12 @@ def main() -> int:
     kv_bytes = lens.sum().item() * 2 * caches[0][0][0, 0].numel() * q.element_size() * args.layers
     with torch.inference_mode():
         k, v = caches[0]
-        reference = gathered_decode(q, k, v, tables, mask)
+        reference = gathered_decode(q.float(), k.float(), v.float(), tables, mask)
         for wide in isas:
             cpu_kernels.allow_avx512(wide)
-            diff = (reference - cpu_kernels.paged_decode(q, k, v, tables, lens, scale)).abs().max().item()
+            diff = (reference - cpu_kernels.paged_decode(q, k, v, tables, lens, scale).float()).abs().max().item()
             isa = "avx512" if wide else "avx2"
-            print(f"B={args.batch} context~{args.context} block {args.block_size} float32, {isa}: "
+            print(f"B={args.batch} context~{args.context} block {args.block_size} {args.dtype}, {isa}: "
                   f"max abs diff {diff:.2e}")
         print(f"{'threads':>7} " + " ".join(f"{name:>24}" for name in paths) + "   speed-up over pytorch")
         for n in args.threads:

@@ -7,6 +7,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -39,6 +40,25 @@ inline bf16 store<bf16>(float v) {  // round to nearest even, as torch does; NaN
   bf16 out;
   out.x = static_cast<uint16_t>(bits >> 16);
   return out;
+}
+
+// body(begin, end) over [0, n) in chunks the threads take in turn as they finish, about eight a
+// thread. at::parallel_for splits a range once, in equal parts; on memory-bound work the cores
+// finish theirs at different times (they share the memory bus unevenly) and the first one waits.
+template <typename Body>
+static void parallel_chunks(int64_t n, const Body& body) {
+  const int64_t threads = at::get_num_threads();
+  if (n <= 1 || threads == 1 || at::in_parallel_region()) {
+    if (n > 0) body(0, n);
+    return;
+  }
+  const int64_t chunk = std::max<int64_t>(1, n / (8 * threads)), chunks = (n + chunk - 1) / chunk;
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    for (int64_t c = next.fetch_add(1, std::memory_order_relaxed); c < chunks;
+         c = next.fetch_add(1, std::memory_order_relaxed))
+      body(c * chunk, std::min(n, (c + 1) * chunk));
+  });
 }
 
 // Calls body(T{}) with T the element type of x: float or bfloat16.

@@ -227,7 +227,7 @@ torch::Tensor panel_gemm(torch::Tensor x, torch::Tensor panels, int64_t N, c10::
     // Row blocks of near-equal size (12 rows: two of 6, not 8 and 4).
     const int64_t blocks = (M + kPanelRows - 1) / kPanelRows;
     const bool avx2 = !cpu_has_avx512();
-    at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+    parallel_chunks(P, [&](int64_t p0, int64_t p1) {
       for (int64_t p = p0; p < p1; ++p) {
 #if defined(__AVX2__) && defined(__FMA__)
         if constexpr (std::is_same_v<W, float>) {
