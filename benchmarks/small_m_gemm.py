@@ -46,9 +46,19 @@ def _paths(dtype: torch.dtype, rows: int) -> list[str]:
     paths = ["gemv"] if rows <= cpu_kernels.GEMV_MAX_ROWS and cpu_kernels.available() else []
     if cpu_kernels.panel_usable(dtype):
         paths.append("panel")
+        if dtype == torch.bfloat16 and cpu_kernels.panel_bf16_isa() == "amx" and rows > 8:
+            paths.append("panel_blocks")  # the same panels through the register blocks, not the tiles
     if dtype == torch.float32 or onednn_packs_bf16():
         paths.append("onednn")
     return [*paths, "mkl"]
+
+
+def _without_amx(run):
+    previous = cpu_kernels.allow_amx(False)
+    try:
+        return run()
+    finally:
+        cpu_kernels.allow_amx(previous)
 
 
 def matmul_peak(dtype: torch.dtype, size: int = 2048, repeats: int = 5) -> float:
@@ -81,6 +91,8 @@ def measure(dtype: torch.dtype, rows_list: list[int], repeats: int) -> list[dict
         runs = {"gemv": lambda xs=xs: [cpu_kernels.gemv(xs[n], w) for n, ws in weights.items() for w in ws],
                 "panel": lambda xs=xs: [cpu_kernels.panel_gemm(xs[n], p, SHAPES[n][0]) for n, ps in panels.items()
                                         for p in ps],
+                "panel_blocks": lambda xs=xs: _without_amx(lambda: [cpu_kernels.panel_gemm(xs[n], p, SHAPES[n][0])
+                                                                     for n, ps in panels.items() for p in ps]),
                 "onednn": lambda xs=xs: [_linear_packed(xs[n], p) for n, ps in packed.items() for p in ps],
                 "mkl": lambda xs=xs: [F.linear(xs[n], w) for n, ws in weights.items() for w in ws]}
         paths = _paths(dtype, rows)
@@ -131,10 +143,15 @@ def main() -> int:
         peak = matmul_peak(dtype)
         results = measure(dtype, sorted(set(a.rows)), a.repeats)
         print(f"\n{name}: matmul peak {peak / 1e9:.0f} GFLOP/s (2048-cube)")
-        print(f"{'rows':>5} " + "".join(f"{p:>30}" for p in ("gemv", "panel", "onednn (packed)", "mkl (F.linear)")))
+        panel_isa = cpu_kernels.panel_bf16_isa() if dtype == torch.bfloat16 else cpu_kernels.panel_isa()
+        columns = {"gemv": "gemv", "panel": f"panel ({panel_isa})",
+                   "panel_blocks": "panel (register blocks)", "onednn": "onednn (packed)", "mkl": "mkl (F.linear)"}
+        if not any("panel_blocks" in r["ms"] for r in results):
+            del columns["panel_blocks"]
+        print(f"{'rows':>5} " + "".join(f"{p:>30}" for p in columns.values()))
         for r in results:
             cells = []
-            for p in ("gemv", "panel", "onednn", "mkl"):
+            for p in columns:
                 if p not in r["ms"]:
                     cells.append(f"{'':>30}")
                     continue

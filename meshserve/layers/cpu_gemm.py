@@ -89,6 +89,11 @@ PANEL_MAX_ROWS_AVX2 = 16
 # float32 its AVX-512 kernels overtake them at 32 rows on the same Xeon (0.87 at 16, 1.09 at 32,
 # 1.23 at 64), not before 64 on the Zen 4 EPYC above.
 PANEL_MAX_ROWS_AMX = 8
+# Where the panels take AMX tiles themselves from 9 rows (panel_gemm.cpp), they stay ahead of oneDNN
+# to about a hundred rows: time ratio panels/oneDNN on the same Xeon, both cores, alternating
+# (benchmarks/small_m_gemm.py): 0.65-0.74 at 16 rows, 0.63-0.70 at 32, 0.81-0.95 at 64, 0.86-0.93
+# at 128, 0.75-1.10 at 256 (its AMX rate moved with the neighbours' load).
+PANEL_MAX_ROWS_AMX_TILES = 128
 PANEL_MAX_ROWS_INTEL = 16
 
 
@@ -125,6 +130,8 @@ def panel_max_rows(dtype: torch.dtype) -> int:
     if not (_small_rows_kernels() and cpu_kernels.panel_usable(dtype)):
         return 0
     if dtype == torch.bfloat16:
+        if cpu_kernels.panel_bf16_isa() == "amx":
+            return PANEL_MAX_ROWS_AMX_TILES
         return PANEL_MAX_ROWS_AMX if packs(dtype) and cpu_bf16_matmul_isa() == "AMX" else PANEL_MAX_ROWS
     if cpu_kernels.panel_isa() == "avx2":
         return PANEL_MAX_ROWS_AVX2

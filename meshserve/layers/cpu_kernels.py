@@ -53,7 +53,7 @@ _SOURCE_PATHS = [Path(__file__).parent / "csrc" / name for name in
                  ("cpu_kernels.cpp", "gemv.cpp", "quant_gemv.cpp", "paged_decode.cpp", "panel_gemm.cpp",
                   "prefill_attention.cpp", "decoder_stack.cpp")]
 _FUNCTIONS = ["paged_decode", "rms_norm", "silu_and_mul", "rotary_", "argmax_rows", "gemv", "gemv_isa",
-              "decoder_stack", "allow_avx512", "panel_gemm", "panel_usable", "panel_isa",
+              "decoder_stack", "allow_avx512", "allow_amx", "panel_gemm", "panel_usable", "panel_isa", "panel_bf16_isa",
               "qgemv", "qmatmul", "qdequantize", "quant_isa", "set_quant_isa", "prefill_causal",
               "prefill_causal_usable"]
 
@@ -220,6 +220,7 @@ def gemv_isa() -> str:
 
 
 PANEL_WIDTH = 48  # kPanelWidth in csrc/panel_gemm.cpp
+PANEL_TILE_MIN_ROWS = 9  # kAmxMinRows: bfloat16 from this many rows on takes AMX tiles where it can
 
 
 def panel_usable(dtype: torch.dtype) -> bool:
@@ -230,6 +231,12 @@ def panel_usable(dtype: torch.dtype) -> bool:
 def panel_isa() -> str:
     """The kernel panel_gemm takes now for float32: "avx512", "avx2", or "" (none on this CPU)."""
     return _kernels().panel_isa()
+
+
+def panel_bf16_isa() -> str:
+    """The kernel panel_gemm takes for bfloat16 from PANEL_TILE_MIN_ROWS rows on: "amx" (tiles),
+    "avx512_bf16" (register blocks, as for fewer rows), or "" (none on this CPU)."""
+    return _kernels().panel_bf16_isa()
 
 
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:
@@ -254,6 +261,12 @@ def allow_avx512(allowed: bool) -> bool:
     """Whether the kernels may take their AVX-512 paths where the CPU has them (the default); the
     tests turn it off to check the AVX2 paths on such a CPU. Returns the previous setting."""
     return _kernels().allow_avx512(allowed)
+
+
+def allow_amx(allowed: bool) -> bool:
+    """Whether panel_gemm may take AMX tiles where the CPU has them (the default); the tests turn it
+    off to check the register blocks on such a CPU. Returns the previous setting."""
+    return _kernels().allow_amx(allowed)
 
 
 def qgemv(x: torch.Tensor, data: torch.Tensor, block_type: int, row_scale: torch.Tensor | None = None,

@@ -111,7 +111,8 @@ class ModelRunner:
         if self.device.type == "cpu":
             panels = panel_bytes(self.model)
             if panels and self.ps.rank == 0:
-                isa = "AVX512-BF16" if self.dtype == torch.bfloat16 else cpu_kernels.panel_isa().upper()
+                bf16 = self.dtype == torch.bfloat16
+                isa = (cpu_kernels.panel_bf16_isa() if bf16 else cpu_kernels.panel_isa()).upper()
                 logger.info("linear layers of up to %d rows take weight panels (%s; csrc/panel_gemm.cpp): "
                             "%.0f MiB more host memory", panel_max_rows(self.dtype), isa, panels / 2 ** 20)
             self._warm_up_matmuls()

@@ -437,8 +437,9 @@ def _packed_row_counts():
 
 def _small_row_limits(dtype, packing: bool) -> tuple[int, int]:
     """(panel, GEMV) row limits this CPU must choose now: the panels where they run (AVX-512 to
-    PANEL_MAX_ROWS, float32 on an Intel CPU to PANEL_MAX_ROWS_INTEL, bfloat16 beside oneDNN on AMX to
-    PANEL_MAX_ROWS_AMX; float32 on AVX2 to PANEL_MAX_ROWS_AVX2; bfloat16 only with AVX512-BF16) and
+    PANEL_MAX_ROWS, float32 on an Intel CPU to PANEL_MAX_ROWS_INTEL, bfloat16 on their own AMX tiles
+    to PANEL_MAX_ROWS_AMX_TILES, else beside oneDNN on AMX to PANEL_MAX_ROWS_AMX; float32 on AVX2 to
+    PANEL_MAX_ROWS_AVX2; bfloat16 only with AVX512-BF16) and
     then no GEMV; else the GEMV's AVX-512 path to its measured crossover with oneDNN beside a packed
     weight, otherwise to the GEMV's limit."""
     from meshserve.layers import cpu_gemm
@@ -448,7 +449,10 @@ def _small_row_limits(dtype, packing: bool) -> tuple[int, int]:
     if avx512 and dtype == torch.float32:
         panel = cpu_gemm.PANEL_MAX_ROWS_INTEL if intel else cpu_gemm.PANEL_MAX_ROWS
     elif avx512 and "avx512_bf16" in cpu_flags():
-        panel = cpu_gemm.PANEL_MAX_ROWS_AMX if packing and "amx_bf16" in cpu_flags() else cpu_gemm.PANEL_MAX_ROWS
+        if cpu_kernels.panel_bf16_isa() == "amx":
+            panel = cpu_gemm.PANEL_MAX_ROWS_AMX_TILES
+        else:
+            panel = cpu_gemm.PANEL_MAX_ROWS_AMX if packing and "amx_bf16" in cpu_flags() else cpu_gemm.PANEL_MAX_ROWS
     elif dtype == torch.float32 and {"avx2", "fma"} <= cpu_flags():
         panel = cpu_gemm.PANEL_MAX_ROWS_AVX2
     else:
@@ -540,6 +544,8 @@ def test_bf16_packed_linear_takes_every_row_count(rows, packing, monkeypatch, is
     torch.testing.assert_close(out.float(), expected, rtol=1e-2, atol=5e-2)
     # a row's result is the same whatever else shares its step (the rows of one path, padded or not)
     width = 1 if gemv else max(panel, most) + 1
+    if gemv and rows >= cpu_kernels.PANEL_TILE_MIN_ROWS and cpu_kernels.panel_bf16_isa() == "amx":
+        width = cpu_kernels.PANEL_TILE_MIN_ROWS  # from there the panels' AMX tiles, summing in their own order
     alone = torch.cat([lin(x[i:i + width])[:1] for i in range(min(rows - width + 1, 20))])
     assert torch.equal(alone, out[:len(alone)])
 
@@ -573,23 +579,25 @@ def test_warm_up_builds_the_row_counts_that_steps_bring(tmp_path, dtype):
     from meshserve.sampling_params import SamplingParams
     from meshserve.worker.step import SeqStep, StepInput
 
+    chunk = 200  # a prompt chunk beside decodes: more rows than the panels take on any CPU
     with _packed_row_counts() as warmed:  # the runner builds them as it starts
-        runner = tiny_runner(tmp_path, max_model_len=128, dtype=dtype, max_num_seqs=8, prefill_chunk_with_decodes=88)
+        runner = tiny_runner(tmp_path, max_model_len=256, dtype=dtype, max_num_seqs=8, prefill_chunk_with_decodes=chunk)
     if dtype == "float32" or not onednn_packs_bf16():  # unpadded row counts: too many to build ahead
         assert warmed == []
         return
     # from the first row past the panels' or the GEMV's in whole tiles of 16: four decoder weight
-    # shapes up to 88 + 8 token rows, and the LM head up to its 8 sequences
+    # shapes up to chunk + 8 token rows, and the LM head up to its 8 sequences
     from meshserve.layers.cpu_gemm import gemv_max_rows, panel_max_rows
     first = -(-(max(gemv_max_rows(torch.bfloat16), panel_max_rows(torch.bfloat16)) + 1) // 16) * 16
-    assert sorted(warmed) == sorted([r for r in range(first, 97, 16) for _ in range(4)] + ([16] if first <= 16 else []))
+    decoder = [r for r in range(first, chunk + 8 + 1, 16) for _ in range(4)]
+    assert sorted(warmed) == sorted(decoder + ([16] if first <= 16 else []))
     model = runner.model
     model.cpu_stack = None  # the module path, whose matmuls Python sees
     runner.init_kv_cache(64)
     greedy = SamplingParams(temperature=0)
     block = runner.config.block_size
     steps = [StepInput([SeqStep(i, [1 + i] * (block - 5 + i), 0, [i], True, greedy) for i in range(5)]),  # 5 prompts
-             StepInput([SeqStep(5, [7] * 88, 0, list(range(5, 5 + -(-88 // block))), True, greedy)]  # a chunk
+             StepInput([SeqStep(5, [7] * chunk, 0, list(range(5, 5 + -(-chunk // block))), True, greedy)]  # a chunk
                        + [SeqStep(i, [2], block - 5 + i, [i], True, greedy) for i in range(5)])]  # beside 5 decodes
     with _packed_row_counts() as used, torch.inference_mode():
         for step in steps:

@@ -1,6 +1,8 @@
 """The panel GEMM (csrc/panel_gemm.cpp): the product of the stored values for any row count on
-every path this CPU runs (AVX-512, AVX2), each row's result independent of the rows beside it, and
+every path this CPU runs (AVX-512, AVX2, AMX tiles), each row's result independent of the rows beside it, and
 refusals of what it cannot compute."""
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -30,15 +32,39 @@ def test_panels_hold_the_weight_k_major(n, k, dtype):
     assert not unpacked[n:].any() and not unpacked[:, k:].any()  # padding is zero
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@contextlib.contextmanager
+def _bf16_kernel(kernel: str | None):
+    """bfloat16 from 9 rows on through AMX tiles (where this CPU has them) or the register blocks."""
+    if kernel is None:
+        yield
+        return
+    if kernel == "tiles" and cpu_kernels.panel_bf16_isa() != "amx":
+        pytest.skip("no AMX-BF16 here (or the OS does not give this process the tile registers)")
+    previous = cpu_kernels.allow_amx(kernel == "tiles")
+    try:
+        yield
+    finally:
+        cpu_kernels.allow_amx(previous)
+
+
+@pytest.mark.parametrize("dtype,kernel", [(torch.float32, None), (torch.bfloat16, "blocks"), (torch.bfloat16, "tiles")])
 @pytest.mark.parametrize("rows", [0, 1, 2, 5, 8, 9, 12, 16, 17, 33, 64, 70])
-def test_panel_gemm_is_the_float32_product_of_the_stored_values(rows, dtype, isa):
+def test_panel_gemm_is_the_float32_product_of_the_stored_values(rows, dtype, kernel, isa):
     """Every register-block split of the rows (8 at most per block on AVX-512, pairs on AVX2),
     output counts that leave a partial last panel, inner sizes odd and even, and on AVX2 inner
-    sizes over one or several of its slices of K, whole and partial."""
+    sizes over one or several of its slices of K, whole and partial. Through AMX tiles: rows that
+    fill the last 16-row tile or not, inner sizes in whole tiles of 32, with a remainder, or below
+    one tile."""
     _runs(dtype)
+    with _bf16_kernel(kernel):
+        tiles = kernel == "tiles" and rows >= cpu_kernels.PANEL_TILE_MIN_ROWS
+        _check_panel_gemm(rows, dtype, group=cpu_kernels.PANEL_TILE_MIN_ROWS if tiles else 1)
+
+
+def _check_panel_gemm(rows: int, dtype: torch.dtype, group: int) -> None:
+    """group: the fewest rows that take the kernel `rows` rows take (the tiles sum in their own order)."""
     g = torch.Generator().manual_seed(rows)
-    for n, k in [(1, 1), (47, 13), (49, 97), (200, 96), (1027, 576), (100, 250)]:
+    for n, k in [(1, 1), (47, 13), (49, 97), (200, 96), (1027, 576), (100, 250), (50, 33), (96, 1535)]:
         w = torch.randn(n, k, generator=g).to(dtype)
         b = torch.randn(n, generator=g).to(dtype)
         wide = torch.randn(rows, k + 5, generator=g).to(dtype)
@@ -53,8 +79,8 @@ def test_panel_gemm_is_the_float32_product_of_the_stored_values(rows, dtype, isa
         torch.testing.assert_close(cpu_kernels.panel_gemm(x, panels, n), F.linear(x.double(), w.double()).to(dtype),
                                    **tol, check_dtype=False)
         # a row's result does not depend on how many rows share the call
-        for i in range(0, rows, 7):
-            assert torch.equal(cpu_kernels.panel_gemm(x[i:i + 1], panels, n, b), out[i:i + 1])
+        for i in range(0, rows - group + 1, 7):
+            assert torch.equal(cpu_kernels.panel_gemm(x[i:i + group], panels, n, b)[:1], out[i:i + 1])
 
 
 def test_panel_gemm_refuses_what_it_cannot_compute():

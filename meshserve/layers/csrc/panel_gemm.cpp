@@ -179,6 +179,182 @@ static void panel_group(const W* panel, const void* xt, int64_t ldx, int64_t K, 
   }
 }
 
+#if defined(__x86_64__)
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+// From 9 rows on, bfloat16 panels go through AMX tiles where the CPU has them: the same panels,
+// read as tiles. A tile row holds 16 outputs' pairs along K (64 bytes), and a panel's pair rows are
+// 48 outputs wide, so a tile is 16 pair rows (32 values of K) of one third of a panel, loaded with a
+// stride of one panel row. x is read in tiles of 16 rows, padded with zero rows to a multiple of 16.
+// One tile product (16 x 16 outputs over 32 of K) does what 32 vdpbf16ps do, so where the register
+// blocks turn compute-bound (oneDNN overtook them from 12 rows on an Emerald Rapids Xeon) the tiles
+// still wait on the weight: each panel comes from memory once, for its first 16 rows, and from L2
+// for the rest. Products summed in float32 in the tile's own order, rounded once to bfloat16 as
+// vcvtneps2bf16 rounds (to nearest even; results below bfloat16's normal range flush to zero).
+#define AMX_BF16 __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma")))
+constexpr int64_t kAmxMinRows = kPanelRows + 1;
+constexpr int64_t kAmxTileRows = 16;   // rows of x (and of sums) per tile
+constexpr int64_t kAmxTileDepth = 32;  // values of K per tile product
+
+static bool amx_allowed = true;
+
+// AMX-BF16 in CPUID, and Linux's leave to use the tile registers (asked once per process: the
+// kernel gives them only to a process that asks, arch_prctl ARCH_REQ_XCOMP_PERM).
+static bool cpu_has_amx_bf16() {
+  static const bool has = [] {
+    unsigned a, b, c, d;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 22)) || !(d & (1u << 24))) return false;
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return has && amx_allowed && cpu_has_avx512_bf16();
+}
+
+// Lets the tests run the register blocks where AMX would take the rows; returns the previous setting.
+bool allow_amx(bool allowed) {
+  const bool previous = amx_allowed;
+  amx_allowed = allowed;
+  return previous;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette, start_row, reserved[14];
+  uint16_t bytes_per_row[16];
+  uint8_t rows[16];
+};
+
+// Seven tiles of 16 rows of 64 bytes: tmm0-2 a row block's sums, tmm3 its x, tmm4-6 the weight.
+// The configuration is per thread: each thread that runs the tiles loads it.
+AMX_BF16 static void amx_configure() {
+  TileConfig config{};
+  config.palette = 1;
+  for (int t = 0; t < 7; ++t) {
+    config.bytes_per_row[t] = 64;
+    config.rows[t] = kAmxTileRows;
+  }
+  // ldtilecfg's operand, as the intrinsic declares it, is 8 bytes: without this the compiler may
+  // drop the stores to the rest of the configuration.
+  __asm__ volatile("" : : "r"(&config) : "memory");
+  _tile_loadconfig(&config);
+}
+
+AMX_BF16 static void amx_release() { _tile_release(); }
+
+// 16 rows of x (xa: [.., K] bfloat16, lda values apart) against one panel, over K (whole tiles); sums
+// into out ([16][48] float32). Meanwhile it asks for `lines` cache lines of `ahead` per step of K
+// into L2: the row blocks of one panel, spread over them, bring the next panel in while the tiles
+// work on this one from L2 (the tile loads wait on memory otherwise).
+AMX_BF16 static void panel_tiles_amx(const bf16* panel, const bf16* xa, int64_t lda, int64_t K, float* out,
+                                     const char* ahead, int64_t lines) {
+  constexpr int64_t panel_row_bytes = 2 * kPanelWidth * sizeof(bf16);
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  for (int64_t k = 0; k < K; k += kAmxTileDepth) {
+    for (int64_t line = 0; line < lines; ++line, ahead += 64) _mm_prefetch(ahead, _MM_HINT_T1);
+    const bf16* wk = panel + k * kPanelWidth;  // pair row k / 2
+    _tile_loadd(3, xa + k, lda * sizeof(bf16));
+    _tile_loadd(4, wk, panel_row_bytes);
+    _tile_loadd(5, wk + 32, panel_row_bytes);
+    _tile_loadd(6, wk + 64, panel_row_bytes);
+    _tile_dpbf16ps(0, 3, 4);
+    _tile_dpbf16ps(1, 3, 5);
+    _tile_dpbf16ps(2, 3, 6);
+  }
+  constexpr int64_t out_row_bytes = kPanelWidth * sizeof(float);
+  _tile_stored(0, out, out_row_bytes);
+  _tile_stored(1, out + 16, out_row_bytes);
+  _tile_stored(2, out + 32, out_row_bytes);
+}
+
+// rows rows of sums (out, [16][48]) plus the bias into y's rows m0.., columns n0.. (fewer in the
+// last panel), rounded to bfloat16.
+AMX_BF16 static void store_tile_rows(const float* out, const bf16* bias, bf16* y, int64_t N, int64_t m0,
+                                     int64_t rows, int64_t n0) {
+  const int64_t width = std::min(kPanelWidth, N - n0);
+  for (int64_t v = 0; v < kPanelVectors && 16 * v < width; ++v) {
+    const int64_t lanes = std::min<int64_t>(16, width - 16 * v);
+    const __mmask16 mask = static_cast<__mmask16>((1u << lanes) - 1);
+    __m512 b = _mm512_setzero_ps();
+    if (bias) {
+      const __m256i raw = _mm256_maskz_loadu_epi16(mask, bias + n0 + 16 * v);
+      b = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+    }
+    for (int64_t m = 0; m < rows; ++m) {
+      const __m512 s = _mm512_add_ps(_mm512_loadu_ps(out + m * kPanelWidth + 16 * v), b);
+      const __m256i r = (__m256i)_mm512_cvtneps_pbh(s);
+      _mm256_mask_storeu_epi16(y + (m0 + m) * N + n0 + 16 * v, mask, r);
+    }
+  }
+}
+
+// K past the last whole tile (K not a multiple of 32): those pairs added to `rows` rows of sums
+// (out) as the register blocks add them.
+AMX_BF16 static void panel_tail_amx(const bf16* panel, const bf16* xa, int64_t lda, int64_t k0, int64_t Kp,
+                                    int64_t rows, float* out) {
+  for (int64_t m = 0; m < rows; ++m) {
+    __m512 acc[kPanelVectors];
+    for (int v = 0; v < kPanelVectors; ++v) acc[v] = _mm512_loadu_ps(out + m * kPanelWidth + 16 * v);
+    for (int64_t k = k0; k < Kp; k += 2) {
+      uint32_t pair;
+      std::memcpy(&pair, xa + m * lda + k, sizeof(pair));
+      const __m512bh xb = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
+      const bf16* wk = panel + k * kPanelWidth;
+      for (int v = 0; v < kPanelVectors; ++v) acc[v] = _mm512_dpbf16_ps(acc[v], xb, (__m512bh)_mm512_loadu_si512(wk + 32 * v));
+    }
+    for (int v = 0; v < kPanelVectors; ++v) _mm512_storeu_ps(out + m * kPanelWidth + 16 * v, acc[v]);
+  }
+}
+
+// panel_gemm's bfloat16 rows through the tiles: x [M, K], ldr values between rows.
+static void panel_gemm_amx(const bf16* xp, int64_t ldr, int64_t M, int64_t K, const bf16* pp, int64_t P,
+                           const bf16* bp, bf16* yp, int64_t N) {
+  thread_local std::vector<bf16> padded;
+  const int64_t Mp = (M + kAmxTileRows - 1) / kAmxTileRows * kAmxTileRows, Kp = K + K % 2;
+  const int64_t Kt = Kp / kAmxTileDepth * kAmxTileDepth;  // K in whole tiles
+  const bf16* xa = xp;
+  int64_t lda = ldr;
+  if (Mp != M || Kp != K) {  // zero rows to fill the last tile; a zero to end an odd row's last pair
+    padded.assign(Mp * Kp, bf16{});
+    for (int64_t m = 0; m < M; ++m) std::memcpy(padded.data() + m * Kp, xp + m * ldr, K * sizeof(bf16));
+    xa = padded.data();
+    lda = Kp;
+  }
+  const int64_t panel_values = Kp * kPanelWidth, blocks = Mp / kAmxTileRows;
+  const int64_t panel_lines = panel_values * sizeof(bf16) / 64, steps = std::max<int64_t>(1, Kt / kAmxTileDepth);
+  const int64_t lines = (panel_lines + blocks * steps - 1) / (blocks * steps);
+  parallel_chunks(P, [&](int64_t p0, int64_t p1) {
+    amx_configure();
+    alignas(64) float out[kAmxTileRows * kPanelWidth];
+    for (int64_t p = p0; p < p1; ++p) {
+      const bf16* panel = pp + p * panel_values;
+      const char* next = reinterpret_cast<const char*>(panel + panel_values);
+      for (int64_t m0 = 0; m0 < M; m0 += kAmxTileRows) {
+        const int64_t rows = std::min(kAmxTileRows, M - m0);
+        const char* ahead = next + (m0 / kAmxTileRows) * steps * lines * 64;
+        // the last panel asks for nothing past the weight
+        panel_tiles_amx(panel, xa + m0 * lda, lda, Kt, out, ahead, p + 1 < P ? lines : 0);
+        if (Kt < Kp) panel_tail_amx(panel, xa + m0 * lda, lda, Kt, Kp, rows, out);
+        store_tile_rows(out, bp, yp, N, m0, rows, p * kPanelWidth);
+      }
+    }
+    amx_release();
+  });
+}
+#else
+constexpr int64_t kAmxMinRows = 0;
+static bool cpu_has_amx_bf16() { return false; }
+bool allow_amx(bool) { return false; }
+static void panel_gemm_amx(const bf16*, int64_t, int64_t, int64_t, const bf16*, int64_t, const bf16*, bf16*,
+                           int64_t) {}
+#endif
+
+// The kernel panel_gemm takes for bfloat16 rows from kAmxMinRows on ("amx" or "avx512_bf16"; ""
+// where neither runs).
+std::string panel_bf16_isa() { return cpu_has_amx_bf16() ? "amx" : (cpu_has_avx512_bf16() ? "avx512_bf16" : ""); }
+
 // Whether panel_gemm runs on this CPU now for weights of this dtype.
 bool panel_usable(bool bfloat16) { return bfloat16 ? cpu_has_avx512_bf16() : (cpu_has_avx512() || kPanelAvx2); }
 
@@ -202,6 +378,11 @@ torch::Tensor panel_gemm(torch::Tensor x, torch::Tensor panels, int64_t N, c10::
   TORCH_CHECK(panel_usable(bfloat16), "panel_gemm: needs AVX2 or AVX-512 (bfloat16: AVX512-BF16) on this CPU");
   auto y = torch::empty({M, N}, x.options());
   if (M == 0) return y;
+  if (bfloat16 && M >= kAmxMinRows && cpu_has_amx_bf16()) {
+    panel_gemm_amx(x.data_ptr<bf16>(), x.stride(0), M, K, panels.data_ptr<bf16>(), P,
+                   bias ? bias->data_ptr<bf16>() : nullptr, y.data_ptr<bf16>(), N);
+    return y;
+  }
   // x transposed ([K][M] float32, or [K/2][M] bfloat16 pairs): each k's rows side by side, so a
   // register block broadcasts them from one cache line.
   thread_local std::vector<uint32_t> scratch;
