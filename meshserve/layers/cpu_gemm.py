@@ -9,6 +9,10 @@ fell from 90% at one row to 50% at eight, and it stays ahead of oneDNN to a few 
 four rows take as long as one and eight 1.6x, where the GEMV took 1.8x and 2.7x (measured by
 benchmarks/small_m_gemm.py). Each row's sums are the same whatever else shares the step. The panels
 cost one more copy of each linear weight. Elsewhere the GEMV and oneDNN share the few rows as below.
+Where the CPU has AMX-BF16, bfloat16 rows from 9 on multiply the same panels as AMX tiles, which
+keep up with the weight's stream where the register blocks turn compute-bound: ahead of oneDNN to
+about a hundred rows there (PANEL_MAX_ROWS_AMX_TILES), so decode steps of up to 128 sequences take
+them and oneDNN keeps the prompt chunks.
 
 Up to a few rows (decode steps of a few sequences) a linear layer streams its weight from memory
 once; the C++ GEMV (csrc/gemv.cpp) reads it as stored, in float32 or bfloat16, at the memory's
