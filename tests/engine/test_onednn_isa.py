@@ -21,7 +21,8 @@ lin = ColumnParallelLinear(96, 200, bias=True)
 lin.weight.data = torch.randn(200, 96, generator=g).bfloat16()
 lin.bias.data = torch.randn(200, generator=g).bfloat16()
 lin.prepack()
-x = torch.randn(100, 96, generator=g).bfloat16()  # past the GEMV and the panels: oneDNN's rows
+rows = max(cpu_gemm.panel_max_rows(torch.bfloat16), cpu_gemm.gemv_max_rows(torch.bfloat16)) + 20
+x = torch.randn(rows, 96, generator=g).bfloat16()  # past the GEMV and the panels: oneDNN's rows
 out = lin(x)
 ref = torch.nn.functional.linear(x.float(), lin.weight.float(), lin.bias.float())
 print("RESULT " + json.dumps({"auto": auto_dtype("cpu", False), "packed": lin._packed is not None,

@@ -1,4 +1,4 @@
-"""100 simultaneous requests against a KV budget that fits 10: admission never over-reserves (the
+"""60 simultaneous requests against a KV budget that fits 10: admission never over-reserves (the
 engines' own ledgers say so, sampled throughout), every request ends with an answer or a defined
 error, and every reservation is gone at the end; with one gateway and with two in front of the
 same replicas."""
@@ -17,7 +17,7 @@ from tests.gateway.fleet import (
     session,
 )
 
-REQUESTS = 100
+REQUESTS = 60
 FITS = 10
 MAX_TOKENS = 4
 DEFINED_ERRORS = {"deadline_exceeded", "queue_full", "replicas_busy", "no_healthy_replica"}
