@@ -95,8 +95,8 @@ PANEL_MAX_ROWS_AVX2 = 16
 PANEL_MAX_ROWS_AMX = 8
 # Where the panels take AMX tiles themselves from 9 rows (panel_gemm.cpp), they stay ahead of oneDNN
 # to about a hundred rows: time ratio panels/oneDNN on the same Xeon, both cores, alternating
-# (benchmarks/small_m_gemm.py): 0.65-0.74 at 16 rows, 0.63-0.70 at 32, 0.81-0.95 at 64, 0.86-0.93
-# at 128, 0.75-1.10 at 256 (its AMX rate moved with the neighbours' load).
+# (benchmarks/small_m_gemm.py): 0.65-0.74 at 16 rows, 0.54-0.70 at 32, 0.78-0.95 at 64, 0.75-0.93
+# at 128, 0.75-1.11 at 256 (its AMX rate moved with the neighbours' load).
 PANEL_MAX_ROWS_AMX_TILES = 128
 PANEL_MAX_ROWS_INTEL = 16
 
