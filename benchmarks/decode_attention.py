@@ -1,12 +1,14 @@
 """Decode attention per layer on CPU: the PyTorch gather + SDPA path against the paged C++ kernel,
-the kernel on its AVX-512 path (where the CPU has it) and on its AVX2 one.
+the kernel on its AVX-512 path (where the CPU has it) and on its AVX2 one, and in bfloat16 with its
+scores on AMX tiles (where the CPU has them).
 
 SmolLM2-135M geometry (9 query heads, 3 KV heads, head_dim 64, --block-size tokens per block), float32 or
 --dtype bfloat16 (the AVX512-BF16 path where the CPU has it), a batch
 of decoding sequences whose blocks are scattered through a larger cache as after some serving.
 Each pass runs over --layers such caches, as a decode step does, so K/V come from memory and not
-from the last-level cache; beside each time, the K/V bytes read per second. The machine may be
-shared, so each figure is the minimum over many interleaved repeats.
+from the last-level cache; the caches are on transparent huge pages, as the engine's are. Beside
+each time, the K/V bytes read per second. The machine may be shared, so each figure is the minimum
+over many interleaved repeats.
 
     python3 benchmarks/decode_attention.py [--batch 64] [--context 320] [--threads 1 2] [--repeats 20] [--block-size 16]
                                            [--dtype float32|bfloat16]
@@ -20,6 +22,7 @@ import torch
 
 from meshserve.layers import cpu_kernels
 from meshserve.layers.attention.torch_ref import gathered_decode
+from meshserve.utils import huge_pages
 from meshserve.utils.cpuinfo import cpu_flags
 
 
@@ -64,12 +67,20 @@ def main() -> int:
         raise SystemExit("the CPU attention kernel did not build; nothing to compare")
     q, caches, tables, mask, lens = make_inputs(args.batch, args.context, args.layers, block_size=args.block_size)
     dtype = getattr(torch, args.dtype)
-    q, caches = q.to(dtype), [(k.to(dtype), v.to(dtype)) for k, v in caches]
+
+    def on_huge_pages(t: torch.Tensor) -> torch.Tensor:
+        return huge_pages.zeros(tuple(t.shape), dtype).copy_(t)
+
+    q, caches = q.to(dtype), [(on_huge_pages(k), on_huge_pages(v)) for k, v in caches]
     scale = q.shape[-1] ** -0.5
 
-    def kernel(wide: bool):
+    def use(isa: str) -> None:
+        cpu_kernels.allow_avx512(isa != "avx2")
+        cpu_kernels.allow_amx(isa == "amx")
+
+    def kernel(isa: str):
         def run():
-            cpu_kernels.allow_avx512(wide)
+            use(isa)
             for k, v in caches:
                 cpu_kernels.paged_decode(q, k, v, tables, lens, scale)
         return run
@@ -78,16 +89,17 @@ def main() -> int:
         for k, v in caches:
             gathered_decode(q, k, v, tables, mask)
 
-    isas = (False, True) if "avx512f" in cpu_flags() else (False,)  # AVX2 alone where there is no AVX-512
-    paths = {"pytorch": pytorch, **{f"kernel {'avx512' if wide else 'avx2'}": kernel(wide) for wide in isas}}
+    isas = ["avx2", "avx512"] if "avx512f" in cpu_flags() else ["avx2"]  # AVX2 alone where there is no AVX-512
+    if dtype == torch.bfloat16 and cpu_kernels.panel_bf16_isa() == "amx":
+        isas.append("amx")
+    paths = {"pytorch": pytorch, **{f"kernel {isa}": kernel(isa) for isa in isas}}
     kv_bytes = lens.sum().item() * 2 * caches[0][0][0, 0].numel() * q.element_size() * args.layers
     with torch.inference_mode():
         k, v = caches[0]
         reference = gathered_decode(q.float(), k.float(), v.float(), tables, mask)
-        for wide in isas:
-            cpu_kernels.allow_avx512(wide)
+        for isa in isas:
+            use(isa)
             diff = (reference - cpu_kernels.paged_decode(q, k, v, tables, lens, scale).float()).abs().max().item()
-            isa = "avx512" if wide else "avx2"
             print(f"B={args.batch} context~{args.context} block {args.block_size} {args.dtype}, {isa}: "
                   f"max abs diff {diff:.2e}")
         print(f"{'threads':>7} " + " ".join(f"{name:>24}" for name in paths) + "   speed-up over pytorch")
@@ -97,7 +109,7 @@ def main() -> int:
             cells = [f"{t / args.layers:.3f} ms ({kv_bytes / t / 1e6:.1f} GB/s)" for t in times]
             ratios = [f"{times[0] / t:.2f}x" for t in times[1:]]
             print(f"{n:>7} " + " ".join(f"{c:>24}" for c in cells) + "   " + " / ".join(ratios))
-        cpu_kernels.allow_avx512(True)
+        use("amx")
     return 0
 
 

@@ -4,7 +4,8 @@
   gathers every sequence's blocks into a padded copy before SDPA, which on CPU triples the memory
   traffic of attention. One task is one sequence: each cached token's K/V row (all KV heads) is
   read once, as one contiguous run, and serves every query head of its group. In bfloat16 on
-  CPUs with AVX512-BF16 the scores are computed from the cache as stored (csrc/paged_decode.cpp).
+  CPUs with AVX512-BF16 the scores are computed from the cache as stored (csrc/paged_decode.cpp),
+  on AMX tiles where the CPU has them (16 keys x 16 heads a tile).
   An fp8 cache (float8_e4m3fn or float8_e5m2, --kv-cache-dtype) is read as stored too, each byte
   widened to float32 in registers and times the layer's k_scale / v_scale.
 - `rms_norm` (with the residual add fused in), `silu_and_mul` and `rotary_`: one pass over the
@@ -50,7 +51,7 @@ logger = logging.getLogger(__name__)
 
 # One translation unit, in this order: the later files call the earlier ones' kernels and helpers.
 _SOURCE_PATHS = [Path(__file__).parent / "csrc" / name for name in
-                 ("cpu_kernels.cpp", "gemv.cpp", "quant_gemv.cpp", "paged_decode.cpp", "panel_gemm.cpp",
+                 ("cpu_kernels.cpp", "gemv.cpp", "quant_gemv.cpp", "amx.cpp", "paged_decode.cpp", "panel_gemm.cpp",
                   "prefill_attention.cpp", "decoder_stack.cpp")]
 _FUNCTIONS = ["paged_decode", "rms_norm", "silu_and_mul", "rotary_", "argmax_rows", "gemv", "gemv_isa",
               "decoder_stack", "allow_avx512", "allow_amx", "panel_gemm", "panel_usable", "panel_isa", "panel_bf16_isa",
@@ -264,8 +265,9 @@ def allow_avx512(allowed: bool) -> bool:
 
 
 def allow_amx(allowed: bool) -> bool:
-    """Whether panel_gemm may take AMX tiles where the CPU has them (the default); the tests turn it
-    off to check the register blocks on such a CPU. Returns the previous setting."""
+    """Whether panel_gemm and bfloat16 decode attention may take AMX tiles where the CPU has them
+    (the default); the tests turn it off to check the AVX512-BF16 paths on such a CPU. Returns the
+    previous setting."""
     return _kernels().allow_amx(allowed)
 
 

@@ -1,5 +1,5 @@
 """Host memory on transparent huge pages (Linux), for what CPU decode streams from memory every step:
-the weights.
+the weights and the KV cache.
 
 A batch-1 decode step reads every weight once. On 4 KiB pages that stream takes a TLB miss every 4
 KiB (a two-dimensional page walk under a hypervisor) and the hardware prefetcher starts over at

@@ -7,6 +7,7 @@ backend allows, replays decode steps from CUDA graphs (cuda_graphs.py)."""
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable
 
@@ -242,13 +243,21 @@ class ModelRunner:
         """With CUDA graphs one spare block past `num_blocks` takes the padding rows' K/V."""
         spare = 1 if self.graph_sizes else 0
         shape = (2, num_blocks + spare, self.block_size, self.num_kv_heads, self.head_dim)
-        self.kv_caches = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device) for _ in self.model.layers]
+        self.kv_caches = [self._zeroed_cache(shape) for _ in self.model.layers]
         if self.device.type == "cpu":  # what loading left is given back once; what steps free is kept
             release_free_heap()
             if keep_freed_heap() and self.ps.rank == 0:
                 logger.info("freed step buffers stay in the heap (glibc mallopt): no page faults per step")
         if self.graph_sizes:
             self._capture_graphs(pad_block=num_blocks)
+
+    def _zeroed_cache(self, shape: tuple[int, ...]) -> torch.Tensor:
+        # A CPU decode step reads every sequence's blocks, scattered through its layer's cache: on
+        # huge pages those reads miss the TLB far less (decode attention 1.01-1.16x faster, six
+        # rounds taking turns on a 2-core Xeon). A cache under one huge page stays on plain pages.
+        if self.device.type == "cpu" and math.prod(shape) * self.kv_dtype.itemsize >= huge_pages.HUGE_PAGE_BYTES:
+            return huge_pages.zeros(shape, self.kv_dtype)
+        return torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
 
     def _capture_graphs(self, pad_block: int) -> None:
         t0 = time.perf_counter()

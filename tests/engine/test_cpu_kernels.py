@@ -26,12 +26,12 @@ HEAD_DIM = 64
 CPU = torch.device("cpu")
 
 
-def _case(lens, heads, kv_heads, table_kind, seed=0, head_dim=HEAD_DIM):
+def _case(lens, heads, kv_heads, table_kind, seed=0, head_dim=HEAD_DIM, block=BLOCK):
     g = torch.Generator().manual_seed(seed)
-    width = -(-max(lens) // BLOCK) + 1  # one spare column: tables are padded past the longest sequence
+    width = -(-max(lens) // block) + 1  # one spare column: tables are padded past the longest sequence
     num_blocks = len(lens) * width + 3
-    k_cache = torch.randn(num_blocks, BLOCK, kv_heads, head_dim, generator=g)
-    v_cache = torch.randn(num_blocks, BLOCK, kv_heads, head_dim, generator=g)
+    k_cache = torch.randn(num_blocks, block, kv_heads, head_dim, generator=g)
+    v_cache = torch.randn(num_blocks, block, kv_heads, head_dim, generator=g)
     if table_kind == "scattered":
         tables = torch.randperm(num_blocks, generator=g)[:len(lens) * width].view(len(lens), width)
     elif table_kind == "shared_prefix":  # every sequence starts with the same two blocks, as after a prefix hit
@@ -40,9 +40,9 @@ def _case(lens, heads, kv_heads, table_kind, seed=0, head_dim=HEAD_DIM):
     else:  # "padded": blocks past each sequence's length are 0, as the model runner pads them
         tables = torch.arange(len(lens) * width).view(len(lens), width)
         for i, n in enumerate(lens):
-            tables[i, -(-n // BLOCK):] = 0
+            tables[i, -(-n // block):] = 0
     lens_t = torch.tensor(lens)
-    mask = (torch.arange(width * BLOCK)[None, :] < lens_t[:, None])[:, None, None, :]
+    mask = (torch.arange(width * block)[None, :] < lens_t[:, None])[:, None, None, :]
     q = torch.randn(len(lens), heads, head_dim, generator=g)
     return q, k_cache, v_cache, tables, mask, lens_t
 
@@ -207,12 +207,29 @@ def _bf16_ulps(got: torch.Tensor, expected: torch.Tensor) -> float:
     return ((got.float() - expected.float()).abs() / spacing).max().item()
 
 
+@pytest.fixture(params=["avx2", "avx512_bf16", "amx"])
+def bf16_path(request):
+    """bfloat16 decode attention's paths: AVX2, AVX512-BF16 (vdpbf16ps and lane sums), and the scores
+    on AMX tiles (where this CPU has them)."""
+    if request.param == "amx" and cpu_kernels.panel_bf16_isa() != "amx":
+        pytest.skip("no AMX-BF16 here (or the OS does not give this process the tile registers)")
+    previous = cpu_kernels.allow_avx512(request.param != "avx2"), cpu_kernels.allow_amx(request.param == "amx")
+    yield
+    cpu_kernels.allow_avx512(previous[0])
+    cpu_kernels.allow_amx(previous[1])
+
+
 # Group sizes 1, 3, 4 and 8 (the AVX512-BF16 path takes up to four heads of a group at a time at
-# head size 64, two at 128), and a head size only the AVX2 path takes (76).
-@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 64), (16, 2, 64), (8, 2, 128), (4, 4, 76)])
-def test_bf16_paged_decode_is_the_float32_attention_of_the_bf16_values(heads, kv_heads, head_dim, isa):
+# head size 64, two at 128), a head size only the AVX2 path takes (76); for the AMX scores, which
+# take heads in sets of whole groups of at most 16 columns: 32 heads (two sets of 16), groups of 7
+# (sets of 14), of 16 (one set) and of 20 (more than a tile: the vector path); blocks of 32 keys
+# (two tiles a block) and of 8 (less than a tile: the vector path).
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block", [
+    (9, 3, 64, 16), (4, 4, 64, 16), (16, 2, 64, 16), (8, 2, 128, 16), (4, 4, 76, 16), (32, 8, 64, 16),
+    (28, 4, 128, 16), (16, 1, 64, 16), (20, 1, 64, 16), (9, 3, 64, 32), (9, 3, 64, 8)])
+def test_bf16_paged_decode_is_the_float32_attention_of_the_bf16_values(heads, kv_heads, head_dim, block, bf16_path):
     lens = [1, 15, 16, 17, 100, 321]
-    q, k_cache, v_cache, tables, mask, lens_t = _case(lens, heads, kv_heads, "scattered", 5, head_dim)
+    q, k_cache, v_cache, tables, mask, lens_t = _case(lens, heads, kv_heads, "scattered", 5, head_dim, block)
     q, k_cache, v_cache = q.bfloat16(), k_cache.bfloat16(), v_cache.bfloat16()
     expected = gathered_decode(q.float(), k_cache.float(), v_cache.float(), tables, mask)
     got = cpu_kernels.paged_decode(q, k_cache, v_cache, tables, lens_t, head_dim ** -0.5)

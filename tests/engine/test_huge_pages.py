@@ -1,6 +1,6 @@
 """utils/huge_pages.py, and the CPU runner's use of it: the linear weights as stored and their panels,
 what a decode step streams, live in one block advised onto transparent huge pages, in layer order,
-their values and ties unchanged."""
+their values and ties unchanged; each layer's KV cache, from one huge page on, is advised too."""
 from __future__ import annotations
 
 import pytest
@@ -110,3 +110,17 @@ def test_repacking_moves_the_new_weights_into_a_new_block(tmp_path):
     w = model.layers["0"].mlp.down_proj.weight
     assert torch.equal(w, before * 2.0)
     assert w.untyped_storage().data_ptr() == arena.block.untyped_storage().data_ptr() != old
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
+def test_the_runner_zeroes_each_layers_kv_cache_on_huge_pages_from_one_huge_page_on(tmp_path, kv_cache_dtype):
+    runner = tiny_runner(tmp_path, dtype="bfloat16", kv_cache_dtype=kv_cache_dtype)
+    layer_block = runner.block_bytes // len(runner.model.layers)  # one block's K and V in one layer
+    for blocks, huge in [(HUGE_PAGE_BYTES // layer_block + 1, True), (2, False)]:
+        runner.init_kv_cache(blocks)
+        for cache in runner.kv_caches:
+            assert cache.dtype == runner.kv_dtype and cache.shape[1] == blocks and not cache.float().any()
+            if huge:
+                assert cache.data_ptr() % HUGE_PAGE_BYTES == 0
+            if ADVISED:
+                assert _advised(cache.data_ptr()) == huge

@@ -253,7 +253,6 @@ static void paged_decode_impl(const T* qp, const C* kp, const C* vp, T* op, cons
 // two bfloat16 values is exact in float32, so the scores are the float32 dot products summed in
 // another order. Values are widened to float32 in registers; probabilities stay float32. Compiled
 // for these instructions alone and chosen at run time, as the element-wise rows (cpu_kernels.cpp).
-#define AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma")))
 // What the parts that the float32 path shares take (a subset of the above: inlined into either).
 #define AVX512_F32 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma")))
 
@@ -310,12 +309,24 @@ AVX512_F32 static inline __m512 load16(const fp8e4m3* p) {
   return _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.f));
 }
 
-// o[h] (HB heads, NC x 16 floats each) = sum over the sequence's tokens t of p[h * L + t] * V[t]:
+// Where a sequence's probabilities are: query head h's for token t at head(h)[t * ts]. The vector
+// paths keep rows [H][L] (per = H, hs = L, ts = 1); the AMX scores come as [L][16] tiles of `per`
+// heads at a time, keys down and heads across (hs = 1, ts = 16, part = one tile column's values).
+struct Probs {
+  const float* p;
+  int64_t per, part, hs, ts;
+  const float* head(int64_t h) const { return p + (h / per) * part + (h % per) * hs; }
+};
+
+// o[h] (HB heads h0.., NC x 16 floats each) = sum over the sequence's tokens t of p(h, t) * V[t]:
 // each V row is widened once and serves the HB heads, whose accumulators stay in registers.
 template <int NC, int HB, typename V>
-AVX512_F32 static void weighted_values(const float* p, int64_t L, const V* vp, const int64_t* table, int64_t bs,
-                                       int64_t row, float* o, const V* after, int64_t after_rows) {
+AVX512_F32 static void weighted_values(const Probs& pr, int64_t h0, int64_t L, const V* vp, const int64_t* table,
+                                       int64_t bs, int64_t row, float* o, const V* after, int64_t after_rows) {
   constexpr int64_t D = 16 * NC;
+  const float* p[HB];
+  for (int h = 0; h < HB; ++h) p[h] = pr.head(h0 + h);
+  const int64_t ts = pr.ts;
   __m512 acc[HB][NC];
   for (int h = 0; h < HB; ++h)
     for (int c = 0; c < NC; ++c) acc[h][c] = _mm512_setzero_ps();
@@ -327,7 +338,7 @@ AVX512_F32 static void weighted_values(const float* p, int64_t L, const V* vp, c
       __m512 v[NC];
       for (int c = 0; c < NC; ++c) v[c] = load16(vb + j * row + 16 * c);
       for (int h = 0; h < HB; ++h) {
-        const __m512 w = _mm512_set1_ps(p[h * L + t0 + j]);
+        const __m512 w = _mm512_set1_ps(p[h][(t0 + j) * ts]);
         for (int c = 0; c < NC; ++c) acc[h][c] = _mm512_fmadd_ps(w, v[c], acc[h][c]);
       }
     }
@@ -339,22 +350,22 @@ AVX512_F32 static void weighted_values(const float* p, int64_t L, const V* vp, c
 // Up to 16 / NC heads of one group at a time: their accumulators fill at most half the registers.
 // `after` (`after_rows` rows of D elements): what the caller reads once these heads are done.
 template <int NC, typename V>
-AVX512_F32 static void weighted_values_heads(int64_t heads, const float* p, int64_t L, const V* vp,
+AVX512_F32 static void weighted_values_heads(int64_t heads, const Probs& pr, int64_t h0, int64_t L, const V* vp,
                                              const int64_t* table, int64_t bs, int64_t row, float* o,
                                              const V* after, int64_t after_rows) {
   constexpr int64_t HB = 16 / NC, D = 16 * NC;
   for (int64_t h = 0; h < heads; h += HB) {
-    const float* ph = p + h * L;
+    const int64_t ph = h0 + h;
     float* oh = o + h * D;
     // Another batch of heads reads this slice again from its first block.
     const bool last = h + HB >= heads;
     const V* next = last ? after : vp + table[0] * bs * row;
     const int64_t next_rows = last ? after_rows : std::min(bs, L);
     switch (std::min(HB, heads - h)) {
-      case 1: weighted_values<NC, 1>(ph, L, vp, table, bs, row, oh, next, next_rows); break;
-      case 2: if constexpr (HB >= 2) weighted_values<NC, 2>(ph, L, vp, table, bs, row, oh, next, next_rows); break;
-      case 3: if constexpr (HB >= 3) weighted_values<NC, 3>(ph, L, vp, table, bs, row, oh, next, next_rows); break;
-      default: if constexpr (HB >= 4) weighted_values<NC, 4>(ph, L, vp, table, bs, row, oh, next, next_rows); break;
+      case 1: weighted_values<NC, 1>(pr, ph, L, vp, table, bs, row, oh, next, next_rows); break;
+      case 2: if constexpr (HB >= 2) weighted_values<NC, 2>(pr, ph, L, vp, table, bs, row, oh, next, next_rows); break;
+      case 3: if constexpr (HB >= 3) weighted_values<NC, 3>(pr, ph, L, vp, table, bs, row, oh, next, next_rows); break;
+      default: if constexpr (HB >= 4) weighted_values<NC, 4>(pr, ph, L, vp, table, bs, row, oh, next, next_rows); break;
     }
   }
 }
@@ -365,17 +376,18 @@ AVX512_F32 static void weighted_values_heads(int64_t heads, const float* p, int6
 // contiguous run), the G heads' sums of one KV head in registers while its slice of the block is
 // read, in `o` between blocks. The sums run over the tokens in the same order: the same results.
 template <int NC, int G, typename V>
-AVX512_F32 static void weighted_values_blocks(const float* p, int64_t L, const V* vp, const int64_t* table, int64_t bs,
+AVX512_F32 static void weighted_values_blocks(const Probs& pr, int64_t L, const V* vp, const int64_t* table, int64_t bs,
                                               int64_t KVH, float* o) {
   constexpr int64_t D = 16 * NC;
-  const int64_t row = KVH * D;
+  const int64_t row = KVH * D, ts = pr.ts;
   std::fill(o, o + KVH * G * D, 0.f);
   for (int64_t t0 = 0; t0 < L; t0 += bs) {
     const int64_t n = std::min(bs, L - t0);
     const V* vb = vp + table[t0 / bs] * bs * row;
     for (int64_t g = 0; g < KVH; ++g) {
       float* og = o + g * G * D;
-      const float* pg = p + g * G * L + t0;
+      const float* pg[G];
+      for (int h = 0; h < G; ++h) pg[h] = pr.head(g * G + h) + t0 * ts;
       __m512 acc[G][NC];
       for (int h = 0; h < G; ++h)
         for (int c = 0; c < NC; ++c) acc[h][c] = _mm512_loadu_ps(og + h * D + 16 * c);
@@ -384,7 +396,7 @@ AVX512_F32 static void weighted_values_blocks(const float* p, int64_t L, const V
         __m512 v[NC];
         for (int c = 0; c < NC; ++c) v[c] = load16(vb + j * row + g * D + 16 * c);
         for (int h = 0; h < G; ++h) {
-          const __m512 w = _mm512_set1_ps(pg[h * L + j]);
+          const __m512 w = _mm512_set1_ps(pg[h][j * ts]);
           for (int c = 0; c < NC; ++c) acc[h][c] = _mm512_fmadd_ps(w, v[c], acc[h][c]);
         }
       }
@@ -400,29 +412,31 @@ AVX512_F32 static void weighted_values_blocks(const float* p, int64_t L, const V
 // a 2-core Xeon with AMX); float32, already at the read bandwidth with a pass per KV head, keeps it
 // (0.80-1.09x with one pass).
 template <int NC, typename V>
-AVX512_F32 static void weighted_values_all(int64_t G, int64_t KVH, const float* p, int64_t L, const V* vp,
+AVX512_F32 static void weighted_values_all(int64_t G, int64_t KVH, const Probs& pr, int64_t L, const V* vp,
                                            const int64_t* table, int64_t bs, float* o) {
   constexpr int64_t D = 16 * NC, HB = 16 / NC;
   if (G <= HB) {
     switch (G) {
-      case 1: return weighted_values_blocks<NC, 1>(p, L, vp, table, bs, KVH, o);
-      case 2: if constexpr (HB >= 2) return weighted_values_blocks<NC, 2>(p, L, vp, table, bs, KVH, o); break;
-      case 3: if constexpr (HB >= 3) return weighted_values_blocks<NC, 3>(p, L, vp, table, bs, KVH, o); break;
-      default: if constexpr (HB >= 4) return weighted_values_blocks<NC, 4>(p, L, vp, table, bs, KVH, o); break;
+      case 1: return weighted_values_blocks<NC, 1>(pr, L, vp, table, bs, KVH, o);
+      case 2: if constexpr (HB >= 2) return weighted_values_blocks<NC, 2>(pr, L, vp, table, bs, KVH, o); break;
+      case 3: if constexpr (HB >= 3) return weighted_values_blocks<NC, 3>(pr, L, vp, table, bs, KVH, o); break;
+      default: if constexpr (HB >= 4) return weighted_values_blocks<NC, 4>(pr, L, vp, table, bs, KVH, o); break;
     }
   }
   const int64_t row = KVH * D;
   const V* first_v = vp + table[0] * bs * row;
   for (int64_t g = 0; g < KVH; ++g)
-    weighted_values_heads<NC>(G, p + g * G * L, L, vp + g * D, table, bs, row, o + g * G * D,
+    weighted_values_heads<NC>(G, pr, g * G, L, vp + g * D, table, bs, row, o + g * G * D,
                               g + 1 < KVH ? first_v + (g + 1) * D : nullptr, std::min(bs, L));
 }
 
-// One sequence (a task of paged_decode's parallel loop); p and ob are the task's scratch.
+// One sequence (a task of paged_decode's parallel loop); p, ob and inv_sum are the task's scratch
+// (and the AMX path's packed query, unused here).
 template <int NC2>
 AVX512_BF16 static void decode_sequence_bf16(const bf16* q, const bf16* kp, const bf16* vp, bf16* out,
                                              const int64_t* table, int64_t L, int64_t H, int64_t KVH, int64_t bs,
-                                             float scale, std::vector<float>& p, std::vector<float>& ob) {
+                                             float scale, std::vector<float>& p, std::vector<bf16>&,
+                                             std::vector<float>& ob, std::vector<float>& inv_sum) {
   constexpr int64_t D = 32 * NC2;
   const int64_t G = H / KVH, row = KVH * D;
   p.resize(H * L);
@@ -437,23 +451,111 @@ AVX512_BF16 static void decode_sequence_bf16(const bf16* q, const bf16* kp, cons
                       p.data() + h * L + t0 + j);
     }
   }
-  std::vector<float> inv_sum(H);
   softmax_rows(p.data(), H, L, inv_sum.data());
-  weighted_values_all<2 * NC2>(G, KVH, p.data(), L, vp, table, bs, ob.data());
+  weighted_values_all<2 * NC2>(G, KVH, Probs{p.data(), H, 0, L, 1}, L, vp, table, bs, ob.data());
   for (int64_t h = 0; h < H; ++h)
     for (int64_t i = 0; i < D; ++i) out[h * D + i] = store<bf16>(ob[h * D + i] * inv_sum[h]);
 }
 
+#if defined(__x86_64__)
+// ---- bfloat16 scores on AMX tiles ------------------------------------------------------------------
+// One tile product multiplies 16 rows of 32 bfloat16 values by 32 x 16 values (stored as 16 rows of
+// 16 pairs) into 16 x 16 float32 sums. 16 keys of one KV head, 32 of their values, are an A tile read
+// from the cache as stored (16 rows, one cache row apart); the query is packed once per sequence into
+// B tiles of 16 value pairs x 16 heads, a KV head's tile holding its query heads' values and zeros
+// for every other head. So the products of all KV heads and all 32-value slices sum into one tile:
+// the scores of 16 keys x 16 heads ([16 keys][16 heads], stored as it is), with no lane sums; the
+// vector path spends a transposing reduction on every 16 scores. The products are exact in float32
+// (as vdpbf16ps's), summed in the tile's order. Heads go in sets of whole groups, up to 16.
+constexpr int64_t kAmxScoreColumns = 16;
+
+template <int NC2>
+AMX_BF16 static void decode_sequence_amx(const bf16* q, const bf16* kp, const bf16* vp, bf16* out,
+                                         const int64_t* table, int64_t L, int64_t H, int64_t KVH, int64_t bs,
+                                         float scale, std::vector<float>& p, std::vector<bf16>& qt,
+                                         std::vector<float>& ob, std::vector<float>& inv_sum) {
+  constexpr int64_t D = 32 * NC2, tile = kAmxTileRows * kAmxTileDepth;  // bfloat16 values of a tile
+  const int64_t G = H / KVH, row = KVH * D, per = kAmxScoreColumns / G * G, sets = (H + per - 1) / per;
+  const int64_t Lp = (L + kAmxTileRows - 1) / kAmxTileRows * kAmxTileRows;
+  // qt: KV head g's B tile for values 32d..32d+31 at (g * NC2 + d) * tile: pair row i, head column
+  // h % per, the two values 2i and 2i + 1 side by side.
+  qt.assign(KVH * NC2 * tile, bf16{});
+  for (int64_t h = 0; h < H; ++h)
+    for (int64_t i = 0; i < D; ++i)
+      qt[(h / G * NC2 + i / 32) * tile + (i % 32 / 2) * 32 + (h % per) * 2 + (i & 1)] = q[h * D + i];
+  p.resize(sets * Lp * kAmxScoreColumns);
+  const bf16* first_v = vp + table[0] * bs * row;
+  const int64_t loads = bs / kAmxTileRows * KVH * NC2;  // K tiles per block: the next block's prefetch spread over them
+  for (int64_t t0 = 0; t0 < L; t0 += bs) {
+    const bf16* kb = kp + table[t0 / bs] * bs * row;
+    int64_t load = 0;
+    for (int64_t j0 = 0; j0 < bs && t0 + j0 < L; j0 += kAmxTileRows)
+      for (int64_t set = 0; set < sets; ++set) {
+        // Keys past L (the last block's tail) are scored and never read: each key's row of the
+        // tile is its own.
+        _tile_zero(0);
+        for (int64_t g = set * per / G; g < std::min(KVH, (set + 1) * per / G); ++g)
+          for (int64_t d = 0; d < NC2; ++d, ++load) {
+            prefetch_next_block(kp, table, t0, L, bs, row, row, load, loads, first_v, std::min(bs, L));
+            _tile_loadd(1, kb + j0 * row + g * D + 32 * d, row * sizeof(bf16));
+            _tile_loadd(2, qt.data() + (g * NC2 + d) * tile, 64);
+            _tile_dpbf16ps(0, 1, 2);
+          }
+        _tile_stored(0, p.data() + (set * Lp + t0 + j0) * kAmxScoreColumns, kAmxScoreColumns * sizeof(float));
+      }
+  }
+  // Softmax down each column: a key's row of scores is one vector of 16 heads.
+  for (int64_t set = 0; set < sets; ++set) {
+    float* ps = p.data() + set * Lp * kAmxScoreColumns;
+    float mx[kAmxScoreColumns], sum[kAmxScoreColumns];
+    std::fill(mx, mx + kAmxScoreColumns, -std::numeric_limits<float>::infinity());
+    std::fill(sum, sum + kAmxScoreColumns, 0.f);
+    for (int64_t t = 0; t < L; ++t)
+#pragma omp simd
+      for (int64_t i = 0; i < kAmxScoreColumns; ++i) mx[i] = std::max(mx[i], ps[t * kAmxScoreColumns + i]);
+    for (int64_t t = 0; t < L; ++t)
+#pragma omp simd
+      for (int64_t i = 0; i < kAmxScoreColumns; ++i) {
+        const float e = exp_approx((ps[t * kAmxScoreColumns + i] - mx[i]) * scale);
+        ps[t * kAmxScoreColumns + i] = e;
+        sum[i] += e;
+      }
+    for (int64_t i = 0; i < std::min(per, H - set * per); ++i) inv_sum[set * per + i] = 1.f / sum[i];
+  }
+  const Probs probs{p.data(), per, Lp * kAmxScoreColumns, 1, kAmxScoreColumns};
+  weighted_values_all<2 * NC2>(G, KVH, probs, L, vp, table, bs, ob.data());
+  for (int64_t h = 0; h < H; ++h)
+    for (int64_t i = 0; i < D; ++i) out[h * D + i] = store<bf16>(ob[h * D + i] * inv_sum[h]);
+}
+
+// Whether the AMX scores take this cache: whole 16-key tiles in a block, a group in 16 columns.
+static bool paged_decode_amx_usable(int64_t H, int64_t KVH, int64_t bs) {
+  return cpu_has_amx_bf16() && bs % kAmxTileRows == 0 && H / KVH <= kAmxScoreColumns;
+}
+
+#else
+static bool paged_decode_amx_usable(int64_t, int64_t, int64_t) { return false; }
+template <int NC2>
+static void decode_sequence_amx(const bf16*, const bf16*, const bf16*, bf16*, const int64_t*, int64_t, int64_t, int64_t,
+                                int64_t, float, std::vector<float>&, std::vector<bf16>&, std::vector<float>&,
+                                std::vector<float>&) {}
+#endif
+
+// amx: the scores on AMX tiles (paged_decode_amx_usable), else vdpbf16ps and lane sums.
 template <int NC2>
 static void paged_decode_bf16(const bf16* qp, const bf16* kp, const bf16* vp, bf16* op, const int64_t* tables,
                               const int64_t* lens, int64_t B, int64_t H, int64_t KVH, int64_t bs, int64_t max_blocks,
-                              float scale) {
+                              float scale, bool amx) {
   constexpr int64_t D = 32 * NC2;
+  const auto sequence = amx ? decode_sequence_amx<NC2> : decode_sequence_bf16<NC2>;
   parallel_chunks(B, [&](int64_t begin, int64_t end) {
-    std::vector<float> p, ob(H * D);
+    if (amx) amx_configure();
+    std::vector<float> p, ob(H * D), inv_sum(H);
+    std::vector<bf16> qt;
     for (int64_t b = begin; b < end; ++b)
-      decode_sequence_bf16<NC2>(qp + b * H * D, kp, vp, op + b * H * D, tables + b * max_blocks, lens[b], H, KVH, bs,
-                                scale, p, ob);
+      sequence(qp + b * H * D, kp, vp, op + b * H * D, tables + b * max_blocks, lens[b], H, KVH, bs, scale, p, qt, ob,
+               inv_sum);
+    if (amx) amx_release();
   });
 }
 
@@ -502,7 +604,7 @@ AVX512_F32 static void decode_sequence_f32(const float* q, const C* kp, const C*
   }
   softmax_rows(p.data(), H, L, inv_sum);
   for (int64_t g = 0; g < KVH; ++g)
-    weighted_values_heads<NC>(G, p.data() + g * G * L, L, vp + g * D, table, bs, row, ob + g * G * D,
+    weighted_values_heads<NC>(G, Probs{p.data(), H, 0, L, 1}, g * G, L, vp + g * D, table, bs, row, ob + g * G * D,
                               g + 1 < KVH ? first_v + (g + 1) * D : nullptr, std::min(bs, L));
 }
 
@@ -524,11 +626,6 @@ static void paged_decode_f32(const T* qp, const C* kp, const C* vp, T* op, const
       }
     }
   });
-}
-
-static bool cpu_has_avx512_bf16() {
-  static const bool has = __builtin_cpu_supports("avx512bf16");
-  return has && cpu_has_avx512();
 }
 
 // Calls body(C{}) with C the fp8 element type of an fp8 cache.
@@ -602,8 +699,9 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
     const bf16* kp = k_cache.data_ptr<bf16>();
     const bf16* vp = v_cache.data_ptr<bf16>();
     bf16* op = out.data_ptr<bf16>();
-    if (D == 64) paged_decode_bf16<2>(qp, kp, vp, op, tables, lens, B, H, KVH, bs, max_blocks, fscale);
-    else paged_decode_bf16<4>(qp, kp, vp, op, tables, lens, B, H, KVH, bs, max_blocks, fscale);
+    const bool amx = paged_decode_amx_usable(H, KVH, bs);
+    if (D == 64) paged_decode_bf16<2>(qp, kp, vp, op, tables, lens, B, H, KVH, bs, max_blocks, fscale, amx);
+    else paged_decode_bf16<4>(qp, kp, vp, op, tables, lens, B, H, KVH, bs, max_blocks, fscale, amx);
     return out;
   }
   dispatch(q, "paged_decode", [&](auto tag) {

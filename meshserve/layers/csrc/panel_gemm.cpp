@@ -180,10 +180,6 @@ static void panel_group(const W* panel, const void* xt, int64_t ldx, int64_t K, 
 }
 
 #if defined(__x86_64__)
-#include <cpuid.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-
 // From 9 rows on, bfloat16 panels go through AMX tiles where the CPU has them: the same panels,
 // read as tiles. A tile row holds 16 outputs' pairs along K (64 bytes), and a panel's pair rows are
 // 48 outputs wide, so a tile is 16 pair rows (32 values of K) of one third of a panel, loaded with a
@@ -193,59 +189,13 @@ static void panel_group(const W* panel, const void* xt, int64_t ldx, int64_t K, 
 // still wait on the weight: each panel comes from memory once, for its first 16 rows, and from L2
 // for the rest. Products summed in float32 in the tile's own order, rounded once to bfloat16 as
 // vcvtneps2bf16 rounds (to nearest even; results below bfloat16's normal range flush to zero).
-#define AMX_BF16 __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma")))
 constexpr int64_t kAmxMinRows = kPanelRows + 1;
-constexpr int64_t kAmxTileRows = 16;   // rows of x (and of sums) per tile
-constexpr int64_t kAmxTileDepth = 32;  // values of K per tile product
-
-static bool amx_allowed = true;
-
-// AMX-BF16 in CPUID, and Linux's leave to use the tile registers (asked once per process: the
-// kernel gives them only to a process that asks, arch_prctl ARCH_REQ_XCOMP_PERM).
-static bool cpu_has_amx_bf16() {
-  static const bool has = [] {
-    unsigned a, b, c, d;
-    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 22)) || !(d & (1u << 24))) return false;
-    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return has && amx_allowed && cpu_has_avx512_bf16();
-}
-
-// Lets the tests run the register blocks where AMX would take the rows; returns the previous setting.
-bool allow_amx(bool allowed) {
-  const bool previous = amx_allowed;
-  amx_allowed = allowed;
-  return previous;
-}
-
-struct alignas(64) TileConfig {
-  uint8_t palette, start_row, reserved[14];
-  uint16_t bytes_per_row[16];
-  uint8_t rows[16];
-};
-
-// Seven tiles of 16 rows of 64 bytes: tmm0-2 a row block's sums, tmm3 its x, tmm4-6 the weight.
-// The configuration is per thread: each thread that runs the tiles loads it.
-AMX_BF16 static void amx_configure() {
-  TileConfig config{};
-  config.palette = 1;
-  for (int t = 0; t < 7; ++t) {
-    config.bytes_per_row[t] = 64;
-    config.rows[t] = kAmxTileRows;
-  }
-  // ldtilecfg's operand, as the intrinsic declares it, is 8 bytes: without this the compiler may
-  // drop the stores to the rest of the configuration.
-  __asm__ volatile("" : : "r"(&config) : "memory");
-  _tile_loadconfig(&config);
-}
-
-AMX_BF16 static void amx_release() { _tile_release(); }
 
 // 16 rows of x (xa: [.., K] bfloat16, lda values apart) against one panel, over K (whole tiles); sums
 // into out ([16][48] float32). Meanwhile it asks for `lines` cache lines of `ahead` per step of K
 // into L2: the row blocks of one panel, spread over them, bring the next panel in while the tiles
-// work on this one from L2 (the tile loads wait on memory otherwise).
+// work on this one from L2 (the tile loads wait on memory otherwise). Tiles: tmm0-2 the sums, tmm3
+// x, tmm4-6 the weight.
 AMX_BF16 static void panel_tiles_amx(const bf16* panel, const bf16* xa, int64_t lda, int64_t K, float* out,
                                      const char* ahead, int64_t lines) {
   constexpr int64_t panel_row_bytes = 2 * kPanelWidth * sizeof(bf16);
@@ -345,8 +295,6 @@ static void panel_gemm_amx(const bf16* xp, int64_t ldr, int64_t M, int64_t K, co
 }
 #else
 constexpr int64_t kAmxMinRows = 0;
-static bool cpu_has_amx_bf16() { return false; }
-bool allow_amx(bool) { return false; }
 static void panel_gemm_amx(const bf16*, int64_t, int64_t, int64_t, const bf16*, int64_t, const bf16*, bf16*,
                            int64_t) {}
 #endif
