@@ -430,10 +430,10 @@ AVX512_F32 static void weighted_values_all(int64_t G, int64_t KVH, const Probs& 
                               g + 1 < KVH ? first_v + (g + 1) * D : nullptr, std::min(bs, L));
 }
 
-// One sequence (a task of paged_decode's parallel loop); p, ob and inv_sum are the task's scratch
-// (and the AMX path's packed query, unused here).
+// One sequence (a task of paged_decode's parallel loop): its unnormalised output in ob and 1 / each
+// head's sum in inv_sum; p is the task's scratch (and the AMX path's packed query, unused here).
 template <int NC2>
-AVX512_BF16 static void decode_sequence_bf16(const bf16* q, const bf16* kp, const bf16* vp, bf16* out,
+AVX512_BF16 static void decode_sequence_bf16(const bf16* q, const bf16* kp, const bf16* vp,
                                              const int64_t* table, int64_t L, int64_t H, int64_t KVH, int64_t bs,
                                              float scale, std::vector<float>& p, std::vector<bf16>&,
                                              std::vector<float>& ob, std::vector<float>& inv_sum) {
@@ -453,8 +453,6 @@ AVX512_BF16 static void decode_sequence_bf16(const bf16* q, const bf16* kp, cons
   }
   softmax_rows(p.data(), H, L, inv_sum.data());
   weighted_values_all<2 * NC2>(G, KVH, Probs{p.data(), H, 0, L, 1}, L, vp, table, bs, ob.data());
-  for (int64_t h = 0; h < H; ++h)
-    for (int64_t i = 0; i < D; ++i) out[h * D + i] = store<bf16>(ob[h * D + i] * inv_sum[h]);
 }
 
 #if defined(__x86_64__)
@@ -470,7 +468,7 @@ AVX512_BF16 static void decode_sequence_bf16(const bf16* q, const bf16* kp, cons
 constexpr int64_t kAmxScoreColumns = 16;
 
 template <int NC2>
-AMX_BF16 static void decode_sequence_amx(const bf16* q, const bf16* kp, const bf16* vp, bf16* out,
+AMX_BF16 static void decode_sequence_amx(const bf16* q, const bf16* kp, const bf16* vp,
                                          const int64_t* table, int64_t L, int64_t H, int64_t KVH, int64_t bs,
                                          float scale, std::vector<float>& p, std::vector<bf16>& qt,
                                          std::vector<float>& ob, std::vector<float>& inv_sum) {
@@ -524,8 +522,6 @@ AMX_BF16 static void decode_sequence_amx(const bf16* q, const bf16* kp, const bf
   }
   const Probs probs{p.data(), per, Lp * kAmxScoreColumns, 1, kAmxScoreColumns};
   weighted_values_all<2 * NC2>(G, KVH, probs, L, vp, table, bs, ob.data());
-  for (int64_t h = 0; h < H; ++h)
-    for (int64_t i = 0; i < D; ++i) out[h * D + i] = store<bf16>(ob[h * D + i] * inv_sum[h]);
 }
 
 // Whether the AMX scores take this cache: whole 16-key tiles in a block, a group in 16 columns.
@@ -536,7 +532,7 @@ static bool paged_decode_amx_usable(int64_t H, int64_t KVH, int64_t bs) {
 #else
 static bool paged_decode_amx_usable(int64_t, int64_t, int64_t) { return false; }
 template <int NC2>
-static void decode_sequence_amx(const bf16*, const bf16*, const bf16*, bf16*, const int64_t*, int64_t, int64_t, int64_t,
+static void decode_sequence_amx(const bf16*, const bf16*, const bf16*, const int64_t*, int64_t, int64_t, int64_t,
                                 int64_t, float, std::vector<float>&, std::vector<bf16>&, std::vector<float>&,
                                 std::vector<float>&) {}
 #endif
@@ -552,9 +548,12 @@ static void paged_decode_bf16(const bf16* qp, const bf16* kp, const bf16* vp, bf
     if (amx) amx_configure();
     std::vector<float> p, ob(H * D), inv_sum(H);
     std::vector<bf16> qt;
-    for (int64_t b = begin; b < end; ++b)
-      sequence(qp + b * H * D, kp, vp, op + b * H * D, tables + b * max_blocks, lens[b], H, KVH, bs, scale, p, qt, ob,
-               inv_sum);
+    for (int64_t b = begin; b < end; ++b) {
+      sequence(qp + b * H * D, kp, vp, tables + b * max_blocks, lens[b], H, KVH, bs, scale, p, qt, ob, inv_sum);
+      bf16* out = op + b * H * D;
+      for (int64_t h = 0; h < H; ++h)
+        for (int64_t i = 0; i < D; ++i) out[h * D + i] = store<bf16>(ob[h * D + i] * inv_sum[h]);
+    }
     if (amx) amx_release();
   });
 }
