@@ -83,6 +83,27 @@ def _check_panel_gemm(rows: int, dtype: torch.dtype, group: int) -> None:
             assert torch.equal(cpu_kernels.panel_gemm(x[i:i + group], panels, n, b)[:1], out[i:i + 1])
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 64])
+def test_every_thread_count_computes_every_panel_once(rows, dtype):
+    """The threads take the panels in runs that shrink as the work runs out: for any thread count
+    (more threads than cores included) each panel is computed once, bit for bit as one thread does."""
+    _runs(dtype)
+    g = torch.Generator().manual_seed(rows)
+    n, k = 48 * 101 - 5, 96  # 101 panels, the last one partial
+    w, x = torch.randn(n, k, generator=g).to(dtype), torch.randn(rows, k, generator=g).to(dtype)
+    panels = cpu_kernels.pack_panels(w)
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = cpu_kernels.panel_gemm(x, panels, n)
+        for threads in (2, 3, 5):
+            torch.set_num_threads(threads)
+            assert torch.equal(cpu_kernels.panel_gemm(x, panels, n), alone), threads
+    finally:
+        torch.set_num_threads(previous)
+
+
 def test_panel_gemm_refuses_what_it_cannot_compute():
     _runs(torch.float32)
     w = torch.randn(100, 32)

@@ -42,23 +42,43 @@ inline bf16 store<bf16>(float v) {  // round to nearest even, as torch does; NaN
   return out;
 }
 
-// body(begin, end) over [0, n) in chunks the threads take in turn as they finish, about eight a
-// thread. at::parallel_for splits a range once, in equal parts; on memory-bound work the cores
-// finish theirs at different times (they share the memory bus unevenly) and the first one waits.
-template <typename Body>
-static void parallel_chunks(int64_t n, const Body& body) {
+// body(begin, end) over [0, n) in runs the threads take from a shared counter as they finish;
+// run(begin, threads) is the length of the run that starts at begin. at::parallel_for splits a
+// range once, in equal parts; on memory-bound work the cores finish theirs at different times
+// (they share the memory bus unevenly, and with other machines' work) and the first one waits.
+template <typename Run, typename Body>
+static void parallel_runs(int64_t n, const Run& run, const Body& body) {
   const int64_t threads = at::get_num_threads();
   if (n <= 1 || threads == 1 || at::in_parallel_region()) {
     if (n > 0) body(0, n);
     return;
   }
-  const int64_t chunk = std::max<int64_t>(1, n / (8 * threads)), chunks = (n + chunk - 1) / chunk;
   std::atomic<int64_t> next{0};
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-    for (int64_t c = next.fetch_add(1, std::memory_order_relaxed); c < chunks;
-         c = next.fetch_add(1, std::memory_order_relaxed))
-      body(c * chunk, std::min(n, (c + 1) * chunk));
+    for (int64_t begin = next.load(std::memory_order_relaxed); begin < n;) {
+      const int64_t end = std::min(n, begin + std::max<int64_t>(1, run(begin, threads)));
+      if (next.compare_exchange_weak(begin, end, std::memory_order_relaxed)) {  // else begin is reread
+        body(begin, end);
+        begin = next.load(std::memory_order_relaxed);
+      }
+    }
   });
+}
+
+// About eight equal chunks a thread (decode attention: sequences).
+template <typename Body>
+static void parallel_chunks(int64_t n, const Body& body) {
+  parallel_runs(n, [n](int64_t, int64_t threads) { return n / (8 * threads); }, body);
+}
+
+// Each run what is left divided by the threads: a thread's first run is long and contiguous, so a
+// kernel that asks for the item after its current one asks for its own next item, and the last
+// runs are single items, so neither thread waits long for the other. The weight panels measured
+// 1.03-1.23x faster this way than in parallel_chunks' chunks (1 to 64 rows, both dtypes);
+// decode attention measured no faster and keeps those.
+template <typename Body>
+static void parallel_guided(int64_t n, const Body& body) {
+  parallel_runs(n, [n](int64_t begin, int64_t threads) { return (n - begin) / threads; }, body);
 }
 
 // Calls body(T{}) with T the element type of x: float or bfloat16.

@@ -275,7 +275,7 @@ static void panel_gemm_amx(const bf16* xp, int64_t ldr, int64_t M, int64_t K, co
   const int64_t panel_values = Kp * kPanelWidth, blocks = Mp / kAmxTileRows;
   const int64_t panel_lines = panel_values * sizeof(bf16) / 64, steps = std::max<int64_t>(1, Kt / kAmxTileDepth);
   const int64_t lines = (panel_lines + blocks * steps - 1) / (blocks * steps);
-  parallel_chunks(P, [&](int64_t p0, int64_t p1) {
+  parallel_guided(P, [&](int64_t p0, int64_t p1) {
     amx_configure();
     alignas(64) float out[kAmxTileRows * kPanelWidth];
     for (int64_t p = p0; p < p1; ++p) {
@@ -356,7 +356,7 @@ torch::Tensor panel_gemm(torch::Tensor x, torch::Tensor panels, int64_t N, c10::
     // Row blocks of near-equal size (12 rows: two of 6, not 8 and 4).
     const int64_t blocks = (M + kPanelRows - 1) / kPanelRows;
     const bool avx2 = !cpu_has_avx512();
-    parallel_chunks(P, [&](int64_t p0, int64_t p1) {
+    parallel_guided(P, [&](int64_t p0, int64_t p1) {
       for (int64_t p = p0; p < p1; ++p) {
 #if defined(__AVX2__) && defined(__FMA__)
         if constexpr (std::is_same_v<W, float>) {
