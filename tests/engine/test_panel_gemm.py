@@ -85,9 +85,9 @@ def _check_panel_gemm(rows: int, dtype: torch.dtype, group: int) -> None:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 64])
-def test_every_thread_count_computes_every_panel_once(rows, dtype):
+def test_every_thread_count_computes_every_panel(rows, dtype):
     """The threads take the panels in runs that shrink as the work runs out: for any thread count
-    (more threads than cores included) each panel is computed once, bit for bit as one thread does."""
+    (more threads than cores included) every panel is computed, bit for bit as on one thread."""
     _runs(dtype)
     g = torch.Generator().manual_seed(rows)
     n, k = 48 * 101 - 5, 96  # 101 panels, the last one partial
