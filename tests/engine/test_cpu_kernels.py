@@ -238,10 +238,11 @@ def test_bf16_paged_decode_is_the_float32_attention_of_the_bf16_values(heads, kv
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_argmax_is_torchs_on_ties_infinities_and_nans(dtype):
+def test_argmax_is_torchs_on_ties_infinities_and_nans(dtype, isa):
     g = torch.Generator().manual_seed(3)
     x = torch.randn(9, 1000, generator=g).to(dtype)
-    x[1, [10, 500]] = 9.0  # a tie: the first wins
+    x[1, [10, 500]] = 9.0  # a tie: the first wins (in different vector lanes: 10 and 500 % 16)
+    x[7, [33, 17, 999]] = 9.0  # a tie within one lane (17 and 33), and one in the row's partial last vector
     x[2] = float("-inf")  # all -inf: index 0
     x[3, 700] = float("inf")
     x[4, [20, 900]] = float("nan")  # the first NaN, even after larger values
@@ -251,7 +252,48 @@ def test_argmax_is_torchs_on_ties_infinities_and_nans(dtype):
     got = cpu_kernels.argmax(x)
     assert got.dtype == torch.long
     assert torch.equal(got, x.argmax(dim=-1))
-    assert got[4] == 20 and got[1] == 10
+    assert got[4] == 20 and got[1] == 10 and got[7] == 17
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("width", [1, 15, 16, 17, 49152])
+def test_argmax_of_rows_of_any_width_with_many_ties(dtype, width, isa):
+    g = torch.Generator().manual_seed(width)
+    x = torch.randint(-3, 4, (6, width), generator=g).to(dtype)  # few values: ties in every row
+    x[1] = float("-inf")
+    x[2, -1] = 10.0
+    assert torch.equal(cpu_kernels.argmax(x), x.argmax(dim=-1))
+    assert torch.equal(cpu_kernels.argmax(x[:, : max(1, width // 2)]), x[:, : max(1, width // 2)].argmax(dim=-1))
+
+
+@pytest.mark.parametrize("rows", [1, 15, 16, 31, 32, 33, 100, 257])
+def test_row_kernels_compute_every_row_on_any_thread_count(rows):
+    """RMSNorm, SiLU-and-multiply, rotary and argmax hand their rows to the threads in chunks taken
+    as the threads finish: for any row count around the chunk sizes and any thread count, every
+    row is computed, bit for bit as on one thread."""
+    g = torch.Generator().manual_seed(rows)
+    x, residual = torch.randn(rows, 576, generator=g).bfloat16(), torch.randn(rows, 576, generator=g).bfloat16()
+    w, gate_up = torch.randn(576, generator=g).bfloat16(), torch.randn(rows, 2 * 200, generator=g).bfloat16()
+    qkv, positions = torch.randn(rows, 15 * 64, generator=g).bfloat16(), torch.randint(0, 512, (rows,), generator=g)
+    from meshserve.layers.rotary import RotaryEmbedding
+    rot = RotaryEmbedding(64, 512, 10000.0, None)
+
+    def results():
+        stream, rotated = residual.clone(), qkv.clone()
+        normed = cpu_kernels.rms_norm(x, w, 1e-5, stream)
+        cpu_kernels.rotary_(rotated, positions, rot.cos, rot.sin, 12, 64)
+        return normed, stream, cpu_kernels.silu_and_mul(gate_up), rotated, cpu_kernels.argmax(gate_up)
+
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = results()
+        for threads in (2, 3):
+            torch.set_num_threads(threads)
+            for got, expected in zip(results(), alone):
+                assert torch.equal(got, expected), threads
+    finally:
+        torch.set_num_threads(previous)
 
 
 def test_bf16_elementwise_kernels_round_float32_math_once(isa):

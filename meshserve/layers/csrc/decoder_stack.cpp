@@ -148,7 +148,9 @@ torch::Tensor attention(const torch::Tensor& q, torch::Tensor k, torch::Tensor v
       o = at::scaled_dot_product_attention(heads_first(qs), heads_first(k.slice(0, a, b)),
                                            heads_first(v.slice(0, a, b)), std::nullopt, 0.0, true,
                                            std::nullopt, true);
-      o = o.transpose(1, 2).reshape(qs.sizes());
+      // straight into the output's rows: reshaping to tokens first cost a second copy of them
+      out.slice(0, a, b).view({n, -1, qs.size(1), qs.size(2)}).copy_(o.transpose(1, 2));
+      continue;
     } else {  // a chunk after cached tokens attends to the cache
       const int64_t ctx = cached + (b - a);
       const auto& table = s.prefill_tables[g];
