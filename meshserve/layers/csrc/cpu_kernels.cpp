@@ -276,6 +276,14 @@ void rotary_(torch::Tensor x, torch::Tensor positions, torch::Tensor cos, torch:
   });
 }
 
+// The position of a row's first NaN (the row has one): what torch.argmax returns for it.
+template <typename T>
+static int64_t first_nan(const T* row) {
+  int64_t i = 0;
+  while (f32(row[i]) == f32(row[i])) ++i;
+  return i;
+}
+
 // One row's index of its largest value in one pass: each lane keeps the largest value it has seen
 // and where it first saw it (an equal value later leaves both), then the row's answer is the
 // smallest position among the lanes holding the row's largest. A NaN sends the row to a scan for
@@ -302,11 +310,7 @@ AVX512 static int64_t argmax_row_avx512(const T* row, int64_t V) {
     best = _mm512_mask_mov_ps(best, above, v);
     where = _mm512_mask_mov_epi32(where, above, pos);
   }
-  if (nan) {
-    int64_t i = 0;
-    while (f32(row[i]) == f32(row[i])) ++i;
-    return i;
-  }
+  if (nan) return first_nan(row);
   const __mmask16 at_max = _mm512_cmp_ps_mask(best, _mm512_set1_ps(_mm512_reduce_max_ps(best)), _CMP_EQ_OQ);
   return _mm512_mask_reduce_min_epi32(at_max, where);
 }
@@ -340,11 +344,12 @@ torch::Tensor argmax_rows(torch::Tensor x) {
           mx = v > mx ? v : mx;
           nan |= v != v;
         }
+        if (nan) {
+          op[r] = first_nan(row);
+          continue;
+        }
         int64_t i = 0;
-        if (nan)
-          while (f32(row[i]) == f32(row[i])) ++i;
-        else
-          while (f32(row[i]) != mx) ++i;
+        while (f32(row[i]) != mx) ++i;
         op[r] = i;
       }
     });
