@@ -1,12 +1,12 @@
-"""Causal attention of fresh prompts on CPU, float32: the C++ kernel (cpu_kernels.prefill_causal,
-AVX2 CPUs without AVX-512) against F.scaled_dot_product_attention (PyTorch's flash attention on
-CPU), on the same q/k/v: column slices of one QKV output, as the model has them.
+"""Causal attention of fresh prompts on CPU: the C++ kernel (cpu_kernels.prefill_causal: float32 on
+AVX2 CPUs without AVX-512, bfloat16 on AMX tiles) against F.scaled_dot_product_attention (PyTorch's
+flash attention on CPU), on the same q/k/v: column slices of one QKV output, as the model has them.
 
 SmolLM2-135M geometry by default (9 query heads, 3 KV heads, head_dim 64). Each figure is the
 fastest of --repeats runs, the two taking turns; the ratio is SDPA's time over the kernel's, and
 GFLOP/s counts the causal half of the scores and the weighted sums (4 x heads x L(L+1)/2 x D a prompt).
 
-    python benchmarks/prefill_attention.py [--shapes 1x256 8x256 1x1024 16x128] [--threads 2]
+    python benchmarks/prefill_attention.py [--shapes 1x256 8x256 1x1024 16x128] [--threads 2] [--dtype bfloat16]
 """
 from __future__ import annotations
 
@@ -28,17 +28,20 @@ def main() -> int:
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     args = ap.parse_args()
+    dtype = getattr(torch, args.dtype)
     torch.set_num_threads(args.threads)
     H, KVH, D = args.heads, args.kv_heads, args.head_dim
-    if not cpu_kernels.prefill_usable(torch.zeros(1, H, D), 1):
-        print("the prefill kernel does not run on this CPU (not built, or AVX-512 present): nothing to compare")
+    if not cpu_kernels.prefill_usable(torch.zeros(1, H, D, dtype=dtype), 1):
+        print(f"the prefill kernel does not take {args.dtype} on this CPU (not built; float32: AVX-512 present, "
+              "bfloat16: no AMX): nothing to compare")
         return 1
-    print(f"threads {args.threads}; heads {H}, kv heads {KVH}, head_dim {D}; fastest of {args.repeats}")
+    print(f"{args.dtype}, threads {args.threads}; heads {H}, kv heads {KVH}, head_dim {D}; fastest of {args.repeats}")
     print(f"{'prompts x length':>17} {'sdpa ms':>9} {'kernel ms':>10} {'kernel GFLOP/s':>15} {'speed-up':>9}")
     for shape in args.shapes:
         n, length = (int(x) for x in shape.split("x"))
-        qkv = torch.randn(n * length, (H + 2 * KVH) * D)
+        qkv = torch.randn(n * length, (H + 2 * KVH) * D).to(dtype)
         q, k, v = qkv.split([H * D, KVH * D, KVH * D], dim=1)
         q, k, v = q.view(-1, H, D), k.view(-1, KVH, D), v.view(-1, KVH, D)
 

@@ -21,6 +21,8 @@
   x rounded to int8 per 32 values so that each block meets it in integer dot products (AVX512-VNNI,
   AVX-VNNI or AVX2, chosen at run time; `set_quant_isa` forces one, or the float path); more rows
   take the dequantized weight through the float matmul.
+- `prefill_causal`: causal attention of fresh prompts of equal length (csrc/prefill_attention.cpp),
+  float32 in registers on AVX2 CPUs without AVX-512, bfloat16 on AMX tiles.
 - `argmax`: the greedy token of each row of logits (a vectorised max, then its first position),
   where torch's argmax runs one scalar pass per row on a CPU.
 
@@ -202,11 +204,11 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 
 
 def prefill_usable(q: torch.Tensor, n: int) -> bool:
-    """prefill_causal takes these float32 heads of n prompts on this CPU (built with AVX2, head size
-    a multiple of 8, prompts up to 2,048 tokens, no AVX-512 taken: there PyTorch's own kernel runs
-    its AVX-512 path)."""
-    return (q.dtype == torch.float32 and q.device.type == "cpu" and available()
-            and _kernels().prefill_causal_usable(q.shape[-1], q.shape[0] // n))
+    """prefill_causal takes these heads ([n * L, heads, head_dim]) of n prompts on this CPU, prompts
+    up to 2,048 tokens: float32 built with AVX2, head size a multiple of 8, no AVX-512 taken (there
+    PyTorch's own kernel runs its AVX-512 path); bfloat16 on AMX-BF16, head size 32 to 128 in steps of
+    32 (csrc/prefill_attention.cpp)."""
+    return q.device.type == "cpu" and available() and _kernels().prefill_causal_usable(q, n)
 
 
 def prefill_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n: int) -> torch.Tensor:

@@ -137,8 +137,19 @@ def test_prefill_kernel_runs_where_pytorch_has_no_avx512_path(isa):
     avx512_taken = isa == "avx512" and {"avx512f", "avx512bw", "avx512vl"} <= cpu_flags()
     assert cpu_kernels.prefill_usable(q, 2) == (not avx512_taken)
     assert not cpu_kernels.prefill_usable(q, 1)  # one prompt of 4,096: PyTorch's kernel is faster there
-    assert not cpu_kernels.prefill_usable(q.bfloat16(), 2)
     assert not cpu_kernels.prefill_usable(torch.zeros(1, 1, 60), 1)  # head size not a multiple of 8
+    assert not cpu_kernels.prefill_usable(q.half(), 2)
+
+
+def test_bf16_prefill_kernel_runs_on_amx_alone(bf16_path):
+    q = torch.zeros(2 * 2048, 1, 64, dtype=torch.bfloat16)
+    amx = bf16_path == "amx"
+    assert cpu_kernels.prefill_usable(q, 2) == amx
+    assert not cpu_kernels.prefill_usable(q, 1)  # one prompt of 4,096
+    for head_dim in (32, 96, 128):
+        assert cpu_kernels.prefill_usable(q[:, :, :1].expand(-1, -1, head_dim), 2) == amx
+    for head_dim in (16, 48, 160):  # whole 32-value tiles, at most four of them
+        assert not cpu_kernels.prefill_usable(torch.zeros(8, 1, head_dim, dtype=torch.bfloat16), 1)
 
 
 # Prompt lengths either side of the kernel's tiles (six positions, sixteen keys), group sizes 1-4,
@@ -165,8 +176,10 @@ def test_prefill_causal_refuses_what_it_cannot_compute():
     try:
         with pytest.raises(RuntimeError, match="equal length"):
             cpu_kernels.prefill_causal(q, k, v, 3)
-        with pytest.raises(RuntimeError, match="float32"):
-            cpu_kernels.prefill_causal(q.bfloat16(), k.bfloat16(), v.bfloat16(), 2)
+        with pytest.raises(RuntimeError, match="all float32 or all bfloat16"):
+            cpu_kernels.prefill_causal(q.bfloat16(), k, v, 2)
+        with pytest.raises(RuntimeError, match="all float32 or all bfloat16"):
+            cpu_kernels.prefill_causal(q.half(), k.half(), v.half(), 2)
         with pytest.raises(RuntimeError, match="multiple of kv_heads"):
             cpu_kernels.prefill_causal(q[:, :8], k, v, 2)
     finally:
@@ -174,16 +187,26 @@ def test_prefill_causal_refuses_what_it_cannot_compute():
     if {"avx512f", "avx512bw", "avx512vl"} <= cpu_flags():
         with pytest.raises(RuntimeError, match="not for this CPU"):
             cpu_kernels.prefill_causal(q, k, v, 2)
-
-
-def test_cpu_backend_prefills_fresh_prompts_with_the_kernel(monkeypatch):
-    cpu_kernels.allow_avx512(False)  # where the CPU has AVX-512 the kernel is only taken so
+    previous = cpu_kernels.allow_amx(False)
     try:
-        q, k, v = _split_qkv(2, 40, 9, 3, HEAD_DIM)
+        with pytest.raises(RuntimeError, match="not for this CPU"):
+            cpu_kernels.prefill_causal(q.bfloat16(), k.bfloat16(), v.bfloat16(), 2)
+    finally:
+        cpu_kernels.allow_amx(previous)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_backend_prefills_fresh_prompts_with_the_kernel(dtype, monkeypatch):
+    if dtype == torch.bfloat16:
+        _needs_amx()
+    # float32: where the CPU has AVX-512 the kernel is only taken so; bfloat16 takes it on AMX
+    cpu_kernels.allow_avx512(dtype == torch.bfloat16)
+    try:
+        q, k, v = (x.to(dtype) for x in _split_qkv(2, 40, 9, 3, HEAD_DIM))
         spans = [PrefillSpan(0, 40, 0, [0, 1, 2]), PrefillSpan(40, 80, 0, [3, 4, 5])]
         packed = PackedStep(input_ids=[0] * 80, positions=list(range(40)) * 2, slot_mapping=list(range(80)),
                             prefills=spans)
-        k_cache = torch.zeros(8, BLOCK, 3, HEAD_DIM)
+        k_cache = torch.zeros(8, BLOCK, 3, HEAD_DIM, dtype=dtype)
         calls = []
         real = cpu_kernels.prefill_causal
         monkeypatch.setattr(cpu_kernels, "prefill_causal", lambda *a: calls.append(a[3]) or real(*a))
@@ -195,7 +218,10 @@ def test_cpu_backend_prefills_fresh_prompts_with_the_kernel(monkeypatch):
         assert calls == [2]  # the CPU backend's, both prompts in one call
     finally:
         cpu_kernels.allow_avx512(True)
-    torch.testing.assert_close(outs["cpu"], outs["torch"], rtol=1e-4, atol=2e-5)
+    if dtype == torch.float32:
+        torch.testing.assert_close(outs["cpu"], outs["torch"], rtol=1e-4, atol=2e-5)
+    else:  # PyTorch's kernel and this one each round the probabilities to bfloat16
+        torch.testing.assert_close(outs["cpu"], outs["torch"], rtol=2 ** -6, atol=2 ** -6)
 
 
 # ---- bfloat16: read into float32, computed in float32, rounded once when stored ---------------------
@@ -209,14 +235,41 @@ def _bf16_ulps(got: torch.Tensor, expected: torch.Tensor) -> float:
 
 @pytest.fixture(params=["avx2", "avx512_bf16", "amx"])
 def bf16_path(request):
-    """bfloat16 decode attention's paths: AVX2, AVX512-BF16 (vdpbf16ps and lane sums), and the scores
-    on AMX tiles (where this CPU has them)."""
+    """bfloat16 attention's paths: AVX2, AVX512-BF16 (vdpbf16ps and lane sums), and AMX tiles (where
+    this CPU has them: decode attention's scores, prompt attention)."""
     if request.param == "amx" and cpu_kernels.panel_bf16_isa() != "amx":
         pytest.skip("no AMX-BF16 here (or the OS does not give this process the tile registers)")
     previous = cpu_kernels.allow_avx512(request.param != "avx2"), cpu_kernels.allow_amx(request.param == "amx")
-    yield
+    yield request.param
     cpu_kernels.allow_avx512(previous[0])
     cpu_kernels.allow_amx(previous[1])
+
+
+def _needs_amx():
+    if cpu_kernels.panel_bf16_isa() != "amx":
+        pytest.skip("no AMX-BF16 here (or the OS does not give this process the tile registers)")
+
+
+# Prompt lengths either side of the tiles (16 positions and keys for the scores, 32 keys for the
+# weighted values), groups of 1-5 heads, every head size the AMX kernel takes (1-4 tiles of 32).
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(1, 3), length=st.one_of(st.integers(1, 70), st.sampled_from([255, 256, 257])),
+       kv_heads=st.integers(1, 3), group=st.integers(1, 5), head_dim=st.sampled_from([32, 64, 96, 128]),
+       seed=st.integers(0, 3))
+def test_bf16_prefill_is_causal_attention_of_the_bf16_values(n, length, kv_heads, group, head_dim, seed):
+    _needs_amx()
+    q, k, v = (x.bfloat16() for x in _split_qkv(n, length, kv_heads * group, kv_heads, head_dim, seed))
+    got = cpu_kernels.prefill_causal(q, k, v, n)
+    expected = _causal_sdpa(q.float(), k.float(), v.float(), n)
+    assert got.dtype == torch.bfloat16 and got.shape == expected.shape
+    # The probabilities are rounded to bfloat16 before they weigh the values (as PyTorch's kernel
+    # rounds them), each within 2^-9 of itself: an output moves by at most 2^-9 of the largest
+    # value, then takes its own rounding.
+    bound = 2.0 ** -8 * (v.float().abs().max() + expected.abs())
+    assert ((got.float() - expected).abs() <= bound).all()
+    # The first position of each prompt attends to its own value row alone: exactly that row.
+    first = torch.arange(n) * length
+    assert torch.equal(got[first], v[first].repeat_interleave(group, dim=1))
 
 
 # Group sizes 1, 3, 4 and 8 (the AVX512-BF16 path takes up to four heads of a group at a time at

@@ -139,7 +139,7 @@ torch::Tensor attention(const torch::Tensor& q, torch::Tensor k, torch::Tensor v
     const int64_t n = s.prefill_groups[4 * g + 2], cached = s.prefill_groups[4 * g + 3];
     auto qs = q.slice(0, a, b);
     torch::Tensor o;
-    if (cached == 0 && qs.scalar_type() == at::kFloat && prefill_causal_usable(qs.size(2), (b - a) / n)) {
+    if (cached == 0 && prefill_causal_usable(qs, n)) {
       o = prefill_causal(qs, k.slice(0, a, b), v.slice(0, a, b), n);  // as attention/cpu.py chooses
     } else if (cached == 0) {  // n equal-length fresh prompts: one causal SDPA over [n, heads, L, D]
       auto heads_first = [n](const torch::Tensor& x) {
