@@ -61,6 +61,24 @@ AMX_BF16 static void amx_configure() {
 }
 
 AMX_BF16 static void amx_release() { _tile_release(); }
+
+// 2^t on 16 lanes for t <= 0: t = n + f with |f| <= 1/2, 2^f by its Taylor polynomial of degree 5
+// (relative error below 3e-6, far under the bfloat16 rounding the probabilities take next), then
+// scaled by 2^n in one instruction: the softmax of the attention kernels on AMX, where the tiles
+// spend a fraction of a cycle on a score's products and its exponential is most of its time;
+// exp_approx's range reduction and exponent arithmetic take 1.5x the instructions.
+AMX_BF16 static inline __m512 exp2_nonpositive(__m512 t) {
+  t = _mm512_max_ps(t, _mm512_set1_ps(-150.0f));  // 2^t is 0 in float32 below; keeps -inf from making NaN
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_set1_ps(1.3333558146428443e-3f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
 #else
 static bool cpu_has_amx_bf16() { return false; }
 bool allow_amx(bool) { return false; }

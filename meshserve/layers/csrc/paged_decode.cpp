@@ -502,23 +502,24 @@ AMX_BF16 static void decode_sequence_amx(const bf16* q, const bf16* kp, const bf
         _tile_stored(0, p.data() + (set * Lp + t0 + j0) * kAmxScoreColumns, kAmxScoreColumns * sizeof(float));
       }
   }
-  // Softmax down each column: a key's row of scores is one vector of 16 heads.
+  // Softmax down each column: a key's row of scores is one vector of 16 heads;
+  // exp((s - max) * scale) = 2^(s * c - max * c), c = scale * log2(e).
+  static_assert(kAmxScoreColumns == 16, "a key's scores are one vector");
+  const __m512 c = _mm512_set1_ps(scale * 1.44269504088896341f);
   for (int64_t set = 0; set < sets; ++set) {
     float* ps = p.data() + set * Lp * kAmxScoreColumns;
-    float mx[kAmxScoreColumns], sum[kAmxScoreColumns];
-    std::fill(mx, mx + kAmxScoreColumns, -std::numeric_limits<float>::infinity());
-    std::fill(sum, sum + kAmxScoreColumns, 0.f);
-    for (int64_t t = 0; t < L; ++t)
-#pragma omp simd
-      for (int64_t i = 0; i < kAmxScoreColumns; ++i) mx[i] = std::max(mx[i], ps[t * kAmxScoreColumns + i]);
-    for (int64_t t = 0; t < L; ++t)
-#pragma omp simd
-      for (int64_t i = 0; i < kAmxScoreColumns; ++i) {
-        const float e = exp_approx((ps[t * kAmxScoreColumns + i] - mx[i]) * scale);
-        ps[t * kAmxScoreColumns + i] = e;
-        sum[i] += e;
-      }
-    for (int64_t i = 0; i < std::min(per, H - set * per); ++i) inv_sum[set * per + i] = 1.f / sum[i];
+    __m512 mx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    for (int64_t t = 0; t < L; ++t) mx = _mm512_max_ps(mx, _mm512_loadu_ps(ps + t * kAmxScoreColumns));
+    const __m512 top = _mm512_mul_ps(mx, c);
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t t = 0; t < L; ++t) {
+      const __m512 e = exp2_nonpositive(_mm512_fmsub_ps(_mm512_loadu_ps(ps + t * kAmxScoreColumns), c, top));
+      _mm512_storeu_ps(ps + t * kAmxScoreColumns, e);
+      sum = _mm512_add_ps(sum, e);
+    }
+    alignas(64) float sums[kAmxScoreColumns];
+    _mm512_store_ps(sums, sum);
+    for (int64_t i = 0; i < std::min(per, H - set * per); ++i) inv_sum[set * per + i] = 1.f / sums[i];
   }
   const Probs probs{p.data(), per, Lp * kAmxScoreColumns, 1, kAmxScoreColumns};
   weighted_values_all<2 * NC2>(G, KVH, probs, L, vp, table, bs, ob.data());

@@ -233,24 +233,6 @@ AMX_BF16 static void weighted_values(const bf16* p, int64_t lp, const bf16* vt, 
   if constexpr (N >= 4) _tile_stored(3, oc + 3 * kAmxTileRows, ld * sizeof(float));
 }
 
-// 2^t on 16 lanes for t <= 0: t = n + f with |f| <= 1/2, 2^f by its Taylor polynomial of degree 5
-// (relative error below 3e-6, far under the bfloat16 rounding the probabilities take next), then
-// scaled by 2^n in one instruction. The softmax's exponentials bound this kernel (one a score,
-// where the tiles spend a fraction of a cycle on its products): exp_approx's range reduction and
-// exponent arithmetic took 1.5x its instructions.
-AMX_BF16 static inline __m512 exp2_nonpositive(__m512 t) {
-  t = _mm512_max_ps(t, _mm512_set1_ps(-150.0f));  // 2^t is 0 in float32 below; keeps -inf from making NaN
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, n);
-  __m512 p = _mm512_set1_ps(1.3333558146428443e-3f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
-}
-
 // The lanes of 16 values from j on that are below `valid`.
 static inline __mmask16 lanes_below(int64_t j, int64_t valid) {
   return j + 16 <= valid ? __mmask16(0xFFFF) : (j < valid ? __mmask16((1u << (valid - j)) - 1) : __mmask16(0));
