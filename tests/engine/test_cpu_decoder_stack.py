@@ -33,12 +33,16 @@ def _steps() -> list[StepInput]:
     ]
 
 
+# Head size 32 (hidden 128): bfloat16 prompts take the AMX prompt kernel where the CPU has it.
 @pytest.mark.parametrize("config,dtype", [({}, "float32"), ({"attention_bias": True}, "float32"),
                                           ({"num_key_value_heads": 4}, "float32"), ({}, "bfloat16"),
-                                          ({"attention_bias": True}, "bfloat16")])
+                                          ({"attention_bias": True}, "bfloat16"), ({"hidden_size": 128}, "bfloat16")])
 def test_stack_equals_module_path_bit_for_bit(tmp_path, config, dtype):
     assert cpu_kernels.available()
     runner = tiny_runner(tmp_path, block_size=BLOCK, config=config, dtype=dtype)
+    if "hidden_size" in config:
+        q = torch.zeros(12, 4, runner.head_dim, dtype=torch.bfloat16)
+        assert cpu_kernels.prefill_usable(q, 1) == (cpu_kernels.panel_bf16_isa() == "amx")
     model = runner.model
     stack = model.cpu_stack
     assert stack is not None, f"the tiny Llama on CPU {dtype} must take the C++ loop"

@@ -140,7 +140,9 @@ torch::Tensor attention(const torch::Tensor& q, torch::Tensor k, torch::Tensor v
     auto qs = q.slice(0, a, b);
     torch::Tensor o;
     if (cached == 0 && prefill_causal_usable(qs, n)) {
-      o = prefill_causal(qs, k.slice(0, a, b), v.slice(0, a, b), n);  // as attention/cpu.py chooses
+      // as attention/cpu.py chooses; straight into the step's rows
+      prefill_causal_into(qs, k.slice(0, a, b), v.slice(0, a, b), n, out.slice(0, a, b));
+      continue;
     } else if (cached == 0) {  // n equal-length fresh prompts: one causal SDPA over [n, heads, L, D]
       auto heads_first = [n](const torch::Tensor& x) {
         return x.view({n, -1, x.size(1), x.size(2)}).transpose(1, 2);

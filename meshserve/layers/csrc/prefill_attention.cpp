@@ -162,10 +162,12 @@ constexpr int64_t kOutTiles = 4;  // sum tiles of the weighted values at once (6
 
 // One prompt's KV head: keys as the scores' B tiles, [key block of 16][slice of 32 values][pair
 // row][key][2], and values as the weighted sum's, [slice of 32 keys][block of 16 values][key pair
-// row][value][2]; past the prompt's L keys kt and vt keep the zeros they start with.
+// row][value][2]; zero past the prompt's L keys.
 AMX_BF16 static void pack_head(const bf16* k, const bf16* v, int64_t stride, int64_t L, int64_t D, bf16* kt,
                                bf16* vt) {
   const int64_t NC = D / kAmxTileDepth, ND = D / kAmxTileRows;
+  if (L % kAmxTileRows) std::memset(kt + (L - 1) / kAmxTileRows * NC * kTile, 0, NC * kTile * sizeof(bf16));
+  if (L % kAmxTileDepth) std::memset(vt + (L - 1) / kAmxTileDepth * ND * kTile, 0, ND * kTile * sizeof(bf16));
   // A key is D / 2 pairs of values (32-bit words), which its block's tiles hold as a column.
   for (int64_t j = 0; j < L; ++j) {
     const uint32_t* kr = reinterpret_cast<const uint32_t*>(k + j * stride);
@@ -278,8 +280,7 @@ AMX_BF16 static void attend(const bf16* qp, int64_t qs, const bf16* kp, const bf
   const int64_t G = H / KVH, blocks = (L + kAmxTileRows - 1) / kAmxTileRows;
   const int64_t Lk = blocks * kAmxTileRows, Lv = (L + kAmxTileDepth - 1) / kAmxTileDepth * kAmxTileDepth;
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
-  // torch::zeros, not std::vector: a vector of bfloat16 zeroes itself one value at a time.
-  const auto packed = torch::zeros({n * KVH * (Lk + Lv) * D}, torch::kBFloat16);
+  const auto packed = torch::empty({n * KVH * (Lk + Lv) * D}, torch::kBFloat16);
   bf16* kt = packed.data_ptr<bf16>();
   bf16* vt = kt + n * KVH * Lk * D;
   parallel_chunks(n * KVH, [&](int64_t begin, int64_t end) {
@@ -350,7 +351,9 @@ bool prefill_causal_usable(const torch::Tensor& q, int64_t n) {
 #endif
 }
 
-torch::Tensor prefill_causal(torch::Tensor q, torch::Tensor k, torch::Tensor v, int64_t n) {
+// Into out: [n * L, heads, head_dim] contiguous (the C++ layer loop passes its step's rows).
+static void prefill_causal_into(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, int64_t n,
+                                const torch::Tensor& out) {
   TORCH_CHECK((q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16) &&
                   k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
               "prefill_causal: q, k and v all float32 or all bfloat16");
@@ -365,8 +368,9 @@ torch::Tensor prefill_causal(torch::Tensor q, torch::Tensor k, torch::Tensor v, 
   for (const auto* x : {&q, &k, &v})
     TORCH_CHECK(x->stride(2) == 1 && x->stride(1) == D, "prefill_causal: each token's heads must be contiguous");
   TORCH_CHECK(k.stride(0) == v.stride(0), "prefill_causal: k and v rows must be equally strided");
-  auto out = torch::empty({T, H, D}, q.options());
-  if (T == 0) return out;
+  TORCH_CHECK(out.scalar_type() == q.scalar_type() && out.is_contiguous() && out.sizes() == q.sizes(),
+              "prefill_causal: out must be a contiguous tensor like q");
+  if (T == 0) return;
   const int64_t L = T / n;
 #if defined(__x86_64__)
   if (q.scalar_type() == at::kBFloat16) {
@@ -380,7 +384,7 @@ torch::Tensor prefill_causal(torch::Tensor q, torch::Tensor k, torch::Tensor v, 
       case 3: prefill_amx::attend<3>(qp, q.stride(0), kp, vp, k.stride(0), op, n, L, H, KVH); break;
       default: prefill_amx::attend<4>(qp, q.stride(0), kp, vp, k.stride(0), op, n, L, H, KVH); break;
     }
-    return out;
+    return;
   }
 #endif
 #if defined(__AVX2__) && defined(__FMA__)
@@ -428,5 +432,10 @@ torch::Tensor prefill_causal(torch::Tensor q, torch::Tensor k, torch::Tensor v, 
     }
   });
 #endif
+}
+
+torch::Tensor prefill_causal(torch::Tensor q, torch::Tensor k, torch::Tensor v, int64_t n) {
+  auto out = torch::empty(q.sizes(), q.options());
+  prefill_causal_into(q, k, v, n, out);
   return out;
 }
