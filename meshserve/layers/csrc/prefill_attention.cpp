@@ -210,7 +210,7 @@ AMX_BF16 static void scores(const bf16* q, int64_t lda, const bf16* kt, int64_t 
 }
 
 // Weighted sums of the values (p: [16][lp] bfloat16 probabilities, zero past each row's keys) over
-// key slices 0..slices-1, `count` blocks of 16 value columns from `first` on, into o [16][ld].
+// key slices 0..slices-1, N blocks of 16 value columns from block `first` on, into o [16][ld].
 // Tiles: 0-3 the sums, 4 the probabilities, 5-6 the values.
 template <int N>
 AMX_BF16 static void weighted_values(const bf16* p, int64_t lp, const bf16* vt, int64_t ND, int64_t first,
