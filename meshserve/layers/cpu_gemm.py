@@ -186,11 +186,23 @@ class PrepackedMatmul:
                   and panel_max_rows(self.weight.dtype) > 0)
         self._panels = cpu_kernels.pack_panels(self.weight) if panels else None
 
+    def _takes_panels(self, x: torch.Tensor) -> bool:
+        return (self._panels is not None and self.quant is None and x.dim() == 2
+                and x.shape[0] <= panel_max_rows(self.weight.dtype) and x.dtype == self.weight.dtype)
+
+    def argmax(self, x: torch.Tensor, n: int) -> torch.Tensor | None:
+        """Per row of x, the index of the largest of matmul(x)'s first n outputs, where the panels
+        find it without writing the outputs (cpu_kernels.panel_argmax); None elsewhere."""
+        if self._takes_panels(x) and cpu_kernels.panel_argmax_usable(x.dtype):
+            assert self._panels is not None
+            return cpu_kernels.panel_argmax(x.contiguous(), self._panels, n)
+        return None
+
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.quant is not None:
             return self.quant(x, bias)
-        if (self._panels is not None and x.dim() == 2 and x.shape[0] <= panel_max_rows(self.weight.dtype)
-                and x.dtype == self.weight.dtype):
+        if self._takes_panels(x):
+            assert self._panels is not None
             return cpu_kernels.panel_gemm(x.contiguous(), self._panels, self.weight.shape[0], bias)
         if (x.dim() == 2 and x.shape[0] <= gemv_max_rows(self.weight.dtype) and self.weight.device.type == "cpu"
                 and x.dtype == self.weight.dtype and self.weight.is_contiguous()):

@@ -15,6 +15,7 @@
 - `panel_gemm`: linear layers for a few to a few dozen rows (csrc/panel_gemm.cpp) on a copy of the
   weight packed at load time in panels of PANEL_WIDTH outputs (`pack_panels`), the outputs across
   the vector lanes: float32 on AVX-512 or AVX2, bfloat16 with AVX512-BF16.
+  `panel_argmax`: a greedy step's tokens from the LM head's panels without writing its logits.
 - `qgemv` / `qdequantize`: linear layers on quantized weights as a GGUF file stores them (Q4_0,
   Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K) or as int8 / float8 e4m3 rows with per-channel scales
   (csrc/quant_gemv.cpp): a decode step's few rows read the blocks without expanding them in memory,
@@ -56,7 +57,8 @@ _SOURCE_PATHS = [Path(__file__).parent / "csrc" / name for name in
                  ("cpu_kernels.cpp", "gemv.cpp", "quant_gemv.cpp", "amx.cpp", "paged_decode.cpp", "panel_gemm.cpp",
                   "prefill_attention.cpp", "decoder_stack.cpp")]
 _FUNCTIONS = ["paged_decode", "rms_norm", "silu_and_mul", "rotary_", "argmax_rows", "gemv", "gemv_isa",
-              "decoder_stack", "allow_avx512", "allow_amx", "panel_gemm", "panel_usable", "panel_isa", "panel_bf16_isa",
+              "decoder_stack", "allow_avx512", "allow_amx", "panel_gemm", "panel_argmax", "panel_argmax_usable",
+              "panel_usable", "panel_isa", "panel_bf16_isa",
               "qgemv", "qmatmul", "qdequantize", "quant_isa", "set_quant_isa", "prefill_causal",
               "prefill_causal_usable"]
 
@@ -231,6 +233,11 @@ def panel_usable(dtype: torch.dtype) -> bool:
     return dtype in DTYPES and available() and _kernels().panel_usable(dtype == torch.bfloat16)
 
 
+def panel_argmax_usable(dtype: torch.dtype) -> bool:
+    """panel_argmax runs on this CPU now for this dtype (float32: AVX-512; bfloat16: AVX512-BF16)."""
+    return dtype in DTYPES and available() and _kernels().panel_argmax_usable(dtype == torch.bfloat16)
+
+
 def panel_isa() -> str:
     """The kernel panel_gemm takes now for float32: "avx512", "avx2", or "" (none on this CPU)."""
     return _kernels().panel_isa()
@@ -258,6 +265,13 @@ def panel_gemm(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor
     """F.linear(x, weight, bias) for any number of rows of x, panels = pack_panels(weight), n = the
     weight's rows; float32 sums, rounded once to x's dtype."""
     return _kernels().panel_gemm(x, panels, n, bias)
+
+
+def panel_argmax(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """argmax(panel_gemm(x, panels, n, bias)) per row (int64; the first of equal maxima, the first
+    NaN) without the [rows, n] outputs: a greedy step's LM head. n may be fewer than the panels'
+    outputs (the first n: a padded vocabulary)."""
+    return _kernels().panel_argmax(x, panels, n, bias)
 
 
 def allow_avx512(allowed: bool) -> bool:

@@ -54,3 +54,8 @@ class ParallelLMHead(PrepackedMatmul, VocabParallelEmbedding):
         if self.tp_size > 1:
             logits = get_parallel_state().all_gather_last_dim(logits)
         return logits[..., : self.vocab_size]
+
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """argmax(forward(hidden), -1) where the CPU panels take it without the logits (one rank
+        only: the vocab-parallel head gathers logits across ranks); None elsewhere."""
+        return self.argmax(hidden, self.vocab_size) if self.tp_size == 1 else None

@@ -94,6 +94,16 @@ def _argmax(logits: torch.Tensor) -> torch.Tensor:
     return cpu_kernels.argmax(logits) if cpu_kernels.usable(logits) and logits.is_contiguous() else logits.argmax(-1)
 
 
+def takes_argmax(params: list[SamplingParams]) -> bool:
+    """Every row's token is the argmax of its logits (after its constraint's mask, if any): greedy,
+    no penalties, no logprobs."""
+    return all(p.greedy and not p.has_penalties and p.logprobs is None for p in params)
+
+
+def constrained(allowed: list[bytes | None] | None) -> bool:
+    return allowed is not None and any(m is not None for m in allowed)
+
+
 def _mask(logits: torch.Tensor, allowed: list[bytes | None]) -> torch.Tensor:
     """The logits with every token a constrained row may not take at -inf (other rows untouched)."""
     rows = [r for r, m in enumerate(allowed) if m is not None]
@@ -140,21 +150,24 @@ class Sampler:
         return picked.clamp_(max=probs.shape[1] - 1)
 
     @torch.inference_mode()
-    def __call__(self, logits: torch.Tensor, seq_ids: list[int], params: list[SamplingParams],
+    def __call__(self, logits: torch.Tensor | None, seq_ids: list[int], params: list[SamplingParams],
                  seed_keys: list[int], histories: list | None = None,
                  allowed: list[bytes | None] | None = None, greedy: torch.Tensor | None = None) -> SamplerOutput:
         """`histories[r]`: (prompt ids, output ids) of a penalized row whose state this sampler does
         not hold yet (None otherwise); later steps need none. `allowed[r]`: the token mask of a
         constrained row (structured outputs), None for the others, which are left as they are.
-        `greedy`: the argmax of `logits` if already taken (in a CUDA graph), for plain greedy rows."""
-        b, v = logits.shape
+        `greedy`: the argmax of the logits if already taken (in a CUDA graph, or by the LM head
+        without its logits: then `logits` is None), for rows that take_argmax without a constraint."""
+        b = len(params)
         want_lp = [p.logprobs for p in params]
-        masks = allowed if allowed is not None and any(m is not None for m in allowed) else None
-        if all(p.greedy and not p.has_penalties for p in params) and not any(n is not None for n in want_lp):
-            if masks is not None:
-                logits, greedy = _mask(logits, masks), None
-            tokens = _argmax(logits) if greedy is None else greedy
-            return SamplerOutput(tokens.tolist(), [None] * b)  # the argmax of the logits as computed
+        masks = allowed if constrained(allowed) else None
+        if takes_argmax(params):
+            if masks is not None or greedy is None:  # a constraint's mask comes first
+                assert logits is not None, "no argmax taken and no logits to take it from"
+                greedy = _argmax(logits if masks is None else _mask(logits, masks))
+            return SamplerOutput(greedy.tolist(), [None] * b)  # the argmax of the logits as computed
+        assert logits is not None, "sampling, penalties and logprobs need the logits"
+        v = logits.shape[1]
         logits = logits.float()
         # Logprobs are the model's own distribution's, before a constraint and the penalties.
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(n is not None for n in want_lp) else None

@@ -191,6 +191,11 @@ class LlamaForCausalLM(nn.Module):
         assert self.lm_head is not None, "only the last stage has the LM head"
         return self.lm_head(hidden)
 
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """argmax(compute_logits(hidden), -1) without the logits where the LM head can; else None."""
+        assert self.lm_head is not None, "only the last stage has the LM head"
+        return self.lm_head.greedy_tokens(hidden)
+
     def load_weights(self, weights) -> None:
         """Take (HF name, full tensor) pairs; each parameter copies its own shard."""
         params = dict(self.named_parameters())

@@ -22,7 +22,7 @@ from meshserve.layers.cpu_gemm import panel_bytes, panel_max_rows, prepack_model
 from meshserve.layers.host_to_device import to_device
 from meshserve.layers.moe import SparseMoeBlock
 from meshserve.layers.quantization.assemble import assemble_quantized
-from meshserve.layers.sampler import Sampler, SamplerOutput
+from meshserve.layers.sampler import Sampler, SamplerOutput, constrained, takes_argmax
 from meshserve.models.geometry import kv_block_bytes, kv_element_bytes
 from meshserve.models.llama import LlamaForCausalLM
 from meshserve.models.loader import ModelSource
@@ -309,14 +309,18 @@ class ModelRunner:
         if hidden_rows is None or hidden_rows.shape[0] == 0:
             return None
         head = heads[0] if len(heads) == 1 else None  # two micro-batches' replays share the graph's memory
-        logits = self.model.compute_logits(hidden_rows) if head is None else head[0]
-        if self.sampler is None:
-            return None
         sampling = [s for s in step.seqs if s.sample]
         params: list[SamplingParams] = []
         for s in sampling:
             assert s.params is not None, "the engine sends the params of every sequence that samples"
             params.append(s.params)
+        allowed = [s.allowed for s in sampling]
+        logits, greedy = (None, None) if head is None else head
+        if head is None and self.sampler is not None and takes_argmax(params) and not constrained(allowed):
+            greedy = self.model.greedy_tokens(hidden_rows)  # no logits at all where the LM head can
+        if logits is None and greedy is None:
+            logits = self.model.compute_logits(hidden_rows)
+        if self.sampler is None:
+            return None
         return self.sampler(logits, [s.seq_id for s in sampling], params, [s.seed_key for s in sampling],
-                            [s.history for s in sampling], [s.allowed for s in sampling],
-                            greedy=None if head is None else head[1])
+                            [s.history for s in sampling], allowed, greedy=greedy)

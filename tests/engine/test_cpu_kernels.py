@@ -762,6 +762,36 @@ def test_engine_with_cpu_kernels_generates_as_without(monkeypatch):
                 assert abs(lp - lb[tok]) < 1e-3
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_greedy_steps_take_their_tokens_from_the_lm_head_without_logits(dtype, monkeypatch):
+    """Steps whose rows are all plain greedy get their tokens from the LM head's panels without
+    logits (panel_argmax): the same tokens as through the logits. A batch with a row that needs the
+    logits (logprobs here) computes them."""
+    from meshserve import LLM, SamplingParams
+    from meshserve.layers.cpu_gemm import PrepackedMatmul
+
+    if not cpu_kernels.panel_argmax_usable(getattr(torch, dtype)):
+        pytest.skip("panel_argmax does not run here")
+    fused_rows: list[int] = []
+    real = cpu_kernels.panel_argmax
+    monkeypatch.setattr(cpu_kernels, "panel_argmax", lambda x, *a: fused_rows.append(x.shape[0]) or real(x, *a))
+    prompts = ["The capital of France is", list(range(200, 260)), "def fibonacci(n):"]
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    llm = LLM("default", dtype=dtype, quantization="none", max_model_len=128, kv_cache_memory_bytes=16 << 20)
+    try:
+        fused = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
+        assert fused_rows and max(fused_rows) == len(prompts)  # every step's sampling rows
+        fused_rows.clear()
+        with_logprobs = llm.generate(prompts[:2] + [prompts[2]], [greedy, greedy,
+                                     SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1)])
+        assert not fused_rows
+        assert [o.outputs[0].token_ids for o in with_logprobs] == fused
+        monkeypatch.setattr(PrepackedMatmul, "argmax", lambda self, x, n: None)  # logits and argmax_rows
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)] == fused
+    finally:
+        llm.engine.shutdown()
+
+
 def test_bf16_engine_follows_float32_greedy():
     """bfloat16 end to end (packed AMX matmuls, the C++ layer loop, bf16 KV cache) on the default
     model: on natural prompts its greedy text starts as float32's, with logprobs close to

@@ -1,11 +1,13 @@
 """The panel GEMM (csrc/panel_gemm.cpp): the product of the stored values for any row count on
 every path this CPU runs (AVX-512, AVX2, AMX tiles), each row's result independent of the rows beside it, and
-refusals of what it cannot compute."""
+refusals of what it cannot compute; its argmax without the outputs (a greedy step's LM head)."""
 import contextlib
 
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from meshserve.layers import cpu_kernels
 
@@ -119,5 +121,65 @@ def test_panel_gemm_refuses_what_it_cannot_compute():
         assert cpu_kernels.panel_isa() == "avx2" and not cpu_kernels.panel_usable(torch.bfloat16)
         with pytest.raises(RuntimeError, match="AVX512-BF16"):
             cpu_kernels.panel_gemm(torch.randn(2, 32).bfloat16(), cpu_kernels.pack_panels(w.bfloat16()), 100)
+    finally:
+        cpu_kernels.allow_avx512(previous)
+
+
+def _argmax_runs(dtype: torch.dtype) -> None:
+    if not cpu_kernels.panel_argmax_usable(dtype):
+        pytest.skip("panel_argmax needs AVX-512 here" + (" with BF16" if dtype == torch.bfloat16 else ""))
+
+
+@pytest.mark.parametrize("dtype,kernel", [(torch.float32, None), (torch.bfloat16, "blocks"), (torch.bfloat16, "tiles")])
+@settings(max_examples=60, deadline=None)
+@given(rows=st.integers(1, 70), k=st.sampled_from([1, 13, 32, 33, 96, 97]), outputs=st.integers(1, 260),
+       cut=st.integers(0, 60), ties=st.booleans(), bias=st.sampled_from(["none", "random", "-inf", "nan"]),
+       nan_row=st.booleans(), threads=st.integers(1, 3), seed=st.integers(0, 2 ** 16))
+def test_panel_argmax_is_the_argmax_of_panel_gemms_outputs(dtype, kernel, rows, k, outputs, cut, ties, bias, nan_row,
+                                                          threads, seed):
+    """For every path (AVX-512 blocks, AVX512-BF16 blocks, AMX tiles) and any mix of row count,
+    inner size, outputs (a partial last panel; fewer than the panels hold), ties (small integers: equal
+    sums in different panels, lanes and threads), a bias (with -inf columns, or all -inf: index 0;
+    a NaN column: the first NaN), a row of NaN inputs and thread count: the same index as torch's
+    argmax of panel_gemm's outputs."""
+    _argmax_runs(dtype)
+    g = torch.Generator().manual_seed(seed)
+    n = max(1, outputs - cut)  # the argmax over the first n of the panels' outputs
+    if ties:
+        w = torch.randint(-2, 3, (outputs, k), generator=g).to(dtype)
+        x = torch.randint(-2, 3, (rows, k), generator=g).to(dtype)
+    else:
+        w, x = torch.randn(outputs, k, generator=g).to(dtype), torch.randn(rows, k, generator=g).to(dtype)
+    b = None if bias == "none" else torch.randn(outputs, generator=g).to(dtype)
+    if bias == "-inf":
+        b[torch.rand(outputs, generator=g) < 0.7] = float("-inf")
+        if seed % 3 == 0:
+            b[:] = float("-inf")
+    elif bias == "nan":
+        b[int(torch.randint(0, outputs, (1,), generator=g))] = float("nan")
+    if nan_row:
+        x[int(torch.randint(0, rows, (1,), generator=g)), 0] = float("nan")
+    panels = cpu_kernels.pack_panels(w)
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        with _bf16_kernel(kernel):
+            got = cpu_kernels.panel_argmax(x, panels, n, b)
+            expected = cpu_kernels.panel_gemm(x, panels, outputs, b)[:, :n].argmax(dim=-1)
+    finally:
+        torch.set_num_threads(previous)
+    assert got.dtype == torch.long and torch.equal(got, expected)
+
+
+def test_panel_argmax_refuses_what_it_cannot_run():
+    _argmax_runs(torch.float32)
+    panels = cpu_kernels.pack_panels(torch.randn(100, 32))
+    with pytest.raises(RuntimeError, match="200 outputs"):
+        cpu_kernels.panel_argmax(torch.randn(2, 32), panels, 200)
+    previous = cpu_kernels.allow_avx512(False)
+    try:  # the float32 AVX2 path writes its outputs only
+        assert not cpu_kernels.panel_argmax_usable(torch.float32) and cpu_kernels.panel_usable(torch.float32)
+        with pytest.raises(RuntimeError, match="AVX-512"):
+            cpu_kernels.panel_argmax(torch.randn(2, 32), panels, 100)
     finally:
         cpu_kernels.allow_avx512(previous)

@@ -70,13 +70,19 @@ AVX512_BF16 static inline void panel_block_bf16(const bf16* panel, const uint32_
   }
 }
 
+// Output n0 + j of a panel's sums (out) plus the bias, rounded once to W.
+template <typename W>
+__attribute__((always_inline)) static inline W panel_value(const float* out, const W* bias, int64_t n0, int64_t j) {
+  return store<W>(bias ? out[j] + f32(bias[n0 + j]) : out[j]);
+}
+
 // One row of a panel's sums (out, kPanelWidth floats) into y_row's columns n0.. (fewer in the last
 // panel), plus the bias, rounded once to W.
 template <typename W>
 __attribute__((always_inline)) static inline void store_panel_row(const float* out, const W* bias, W* y_row,
                                                                   int64_t N, int64_t n0) {
   const int64_t width = std::min(kPanelWidth, N - n0);
-  for (int64_t j = 0; j < width; ++j) y_row[n0 + j] = store<W>(bias ? out[j] + f32(bias[n0 + j]) : out[j]);
+  for (int64_t j = 0; j < width; ++j) y_row[n0 + j] = panel_value(out, bias, n0, j);
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -140,40 +146,47 @@ constexpr bool kPanelAvx2 = true;
 constexpr bool kPanelAvx2 = false;
 #endif
 
-// The block's outputs into y's rows m0.. (store_panel_row).
+// The block's outputs into y's rows m0.. (store_panel_row), or with y null into vals' rows m0..
+// ([rows][kPanelWidth]) as the float32 values of what y would hold (panel_argmax).
 template <int MR, typename W>
-AVX512 static inline void panel_store(PanelAcc<MR>& acc, const W* bias, W* y, int64_t N, int64_t m0, int64_t n0) {
+AVX512 static inline void panel_store(PanelAcc<MR>& acc, const W* bias, W* y, int64_t N, int64_t m0, int64_t n0,
+                                      float* vals) {
   alignas(64) float out[kPanelWidth];
+  const int64_t width = std::min(kPanelWidth, N - n0);
   for (int m = 0; m < MR; ++m) {
     for (int v = 0; v < kPanelVectors; ++v) _mm512_store_ps(out + 16 * v, acc[m][v]);
-    store_panel_row(out, bias, y + (m0 + m) * N, N, n0);
+    if (y) {
+      store_panel_row(out, bias, y + (m0 + m) * N, N, n0);
+      continue;
+    }
+    for (int64_t j = 0; j < width; ++j) vals[(m0 + m) * kPanelWidth + j] = f32(panel_value(out, bias, n0, j));
   }
 }
 
 // One register block through the kernel of W's dtype (each compiled for only the ISA it needs).
 template <int MR>
 AVX512 static void panel_rows(const float* panel, const void* xt, int64_t ldx, int64_t K, const float* bias,
-                              float* y, int64_t N, int64_t m0, int64_t n0) {
+                              float* y, int64_t N, int64_t m0, int64_t n0, float* vals) {
   PanelAcc<MR> acc;
   panel_block_f32<MR>(panel, static_cast<const float*>(xt) + m0, ldx, K, acc);
-  panel_store<MR>(acc, bias, y, N, m0, n0);
+  panel_store<MR>(acc, bias, y, N, m0, n0, vals);
 }
 
 template <int MR>
 AVX512_BF16 static void panel_rows(const bf16* panel, const void* xt, int64_t ldx, int64_t K, const bf16* bias,
-                                   bf16* y, int64_t N, int64_t m0, int64_t n0) {
+                                   bf16* y, int64_t N, int64_t m0, int64_t n0, float* vals) {
   PanelAcc<MR> acc;
   panel_block_bf16<MR>(panel, static_cast<const uint32_t*>(xt) + m0, ldx, (K + 1) / 2, acc);
-  panel_store<MR>(acc, bias, y, N, m0, n0);
+  panel_store<MR>(acc, bias, y, N, m0, n0, vals);
 }
 
 template <typename W>
 static void panel_group(const W* panel, const void* xt, int64_t ldx, int64_t K, const W* bias, W* y, int64_t N,
-                        int64_t m0, int64_t rows, int64_t n0) {
+                        int64_t m0, int64_t rows, int64_t n0, float* vals) {
   switch (rows) {
 #define PANEL_CASE(r) \
   case r:             \
-    return panel_rows<r>(panel, xt, ldx, K, bias, y, N, m0, n0);
+    return panel_rows<r>(panel, xt, ldx, K, bias, y, N, m0, n0, vals);
     PANEL_CASE(1) PANEL_CASE(2) PANEL_CASE(3) PANEL_CASE(4) PANEL_CASE(5) PANEL_CASE(6) PANEL_CASE(7) PANEL_CASE(8)
 #undef PANEL_CASE
   }
@@ -220,8 +233,9 @@ AMX_BF16 static void panel_tiles_amx(const bf16* panel, const bf16* xa, int64_t 
 }
 
 // rows rows of sums (out, [16][48]) plus the bias into y's rows m0.., columns n0.. (fewer in the
-// last panel), rounded to bfloat16.
-AMX_BF16 static void store_tile_rows(const float* out, const bf16* bias, bf16* y, int64_t N, int64_t m0,
+// last panel), rounded to bfloat16; with y null, back into out as the float32 values of those
+// bfloat16 (panel_argmax).
+AMX_BF16 static void store_tile_rows(float* out, const bf16* bias, bf16* y, int64_t N, int64_t m0,
                                      int64_t rows, int64_t n0) {
   const int64_t width = std::min(kPanelWidth, N - n0);
   for (int64_t v = 0; v < kPanelVectors && 16 * v < width; ++v) {
@@ -235,7 +249,10 @@ AMX_BF16 static void store_tile_rows(const float* out, const bf16* bias, bf16* y
     for (int64_t m = 0; m < rows; ++m) {
       const __m512 s = _mm512_add_ps(_mm512_loadu_ps(out + m * kPanelWidth + 16 * v), b);
       const __m256i r = (__m256i)_mm512_cvtneps_pbh(s);
-      _mm256_mask_storeu_epi16(y + (m0 + m) * N + n0 + 16 * v, mask, r);
+      if (y)
+        _mm256_mask_storeu_epi16(y + (m0 + m) * N + n0 + 16 * v, mask, r);
+      else
+        _mm512_storeu_ps(out + m * kPanelWidth + 16 * v, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(r), 16)));
     }
   }
 }
@@ -258,9 +275,61 @@ AMX_BF16 static void panel_tail_amx(const bf16* panel, const bf16* xa, int64_t l
   }
 }
 
-// panel_gemm's bfloat16 rows through the tiles: x [M, K], ldr values between rows.
+// A thread's running argmax of each row of x over the outputs it has computed (panel_argmax): 16
+// lanes a row of (largest value, its first column), as argmax_rows keeps them, and whether the row
+// met a NaN. A thread takes its panels in increasing order, so a lane's first is the thread's first.
+struct PanelArgmax {
+  std::vector<float> best;
+  std::vector<int32_t> where;
+  std::vector<uint8_t> nan;
+  explicit PanelArgmax(int64_t M)
+      : best(M * 16, -std::numeric_limits<float>::infinity()), where(M * 16, 0), nan(M, 0) {}
+};
+
+// rows rows of one panel's outputs (vals, [rows][48] float32, `width` of them real, columns n0..)
+// into the state's rows m0..
+AVX512 static void panel_argmax_update(const float* vals, int64_t rows, int64_t width, int64_t n0, int64_t m0,
+                                       PanelArgmax& s) {
+  const __m512 lowest = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  const __m512i first = _mm512_add_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                         _mm512_set1_epi32(static_cast<int>(n0)));
+  for (int64_t m = 0; m < rows; ++m) {
+    float* bp = s.best.data() + (m0 + m) * 16;
+    int32_t* wp = s.where.data() + (m0 + m) * 16;
+    __m512 best = _mm512_loadu_ps(bp);
+    __m512i where = _mm512_loadu_si512(wp);
+    __mmask16 nan = 0;
+    for (int64_t v = 0; v < kPanelVectors && 16 * v < width; ++v) {
+      const __mmask16 live = width - 16 * v >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (width - 16 * v)) - 1);
+      const __m512 x = _mm512_mask_loadu_ps(lowest, live, vals + m * kPanelWidth + 16 * v);
+      lane_argmax_step(x, _mm512_add_epi32(first, _mm512_set1_epi32(static_cast<int>(16 * v))), best, where, nan);
+    }
+    _mm512_storeu_ps(bp, best);
+    _mm512_storeu_si512(wp, where);
+    if (nan) s.nan[m0 + m] = 1;
+  }
+}
+
+// Row m's answer from every thread's lanes: lane by lane the larger value, of equal ones the
+// smaller column (another thread's panels may come first), then lane_argmax_result.
+AVX512 static int64_t panel_argmax_row(const std::vector<PanelArgmax>& states, int64_t m) {
+  __m512 best = _mm512_loadu_ps(states[0].best.data() + m * 16);
+  __m512i where = _mm512_loadu_si512(states[0].where.data() + m * 16);
+  for (size_t t = 1; t < states.size(); ++t) {
+    const __m512 b = _mm512_loadu_ps(states[t].best.data() + m * 16);
+    const __m512i w = _mm512_loadu_si512(states[t].where.data() + m * 16);
+    const __mmask16 take = _mm512_cmp_ps_mask(b, best, _CMP_GT_OQ) |
+                           (_mm512_cmp_ps_mask(b, best, _CMP_EQ_OQ) & _mm512_cmplt_epi32_mask(w, where));
+    best = _mm512_mask_mov_ps(best, take, b);
+    where = _mm512_mask_mov_epi32(where, take, w);
+  }
+  return lane_argmax_result(best, where);
+}
+
+// panel_gemm's bfloat16 rows through the tiles: x [M, K], ldr values between rows; into yp, or with
+// yp null into each thread's argmax (states, by thread number).
 static void panel_gemm_amx(const bf16* xp, int64_t ldr, int64_t M, int64_t K, const bf16* pp, int64_t P,
-                           const bf16* bp, bf16* yp, int64_t N) {
+                           const bf16* bp, bf16* yp, int64_t N, std::vector<PanelArgmax>* states) {
   thread_local std::vector<bf16> padded;
   const int64_t Mp = (M + kAmxTileRows - 1) / kAmxTileRows * kAmxTileRows, Kp = K + K % 2;
   const int64_t Kt = Kp / kAmxTileDepth * kAmxTileDepth;  // K in whole tiles
@@ -288,6 +357,9 @@ static void panel_gemm_amx(const bf16* xp, int64_t ldr, int64_t M, int64_t K, co
         panel_tiles_amx(panel, xa + m0 * lda, lda, Kt, out, ahead, p + 1 < P ? lines : 0);
         if (Kt < Kp) panel_tail_amx(panel, xa + m0 * lda, lda, Kt, Kp, rows, out);
         store_tile_rows(out, bp, yp, N, m0, rows, p * kPanelWidth);
+        if (!yp)
+          panel_argmax_update(out, rows, std::min(kPanelWidth, N - p * kPanelWidth), p * kPanelWidth, m0,
+                              (*states)[at::get_thread_num()]);
       }
     }
     amx_release();
@@ -296,7 +368,7 @@ static void panel_gemm_amx(const bf16* xp, int64_t ldr, int64_t M, int64_t K, co
 #else
 constexpr int64_t kAmxMinRows = 0;
 static void panel_gemm_amx(const bf16*, int64_t, int64_t, int64_t, const bf16*, int64_t, const bf16*, bf16*,
-                           int64_t) {}
+                           int64_t, std::vector<PanelArgmax>*) {}
 #endif
 
 // The kernel panel_gemm takes for bfloat16 rows from kAmxMinRows on ("amx" or "avx512_bf16"; ""
@@ -306,37 +378,41 @@ std::string panel_bf16_isa() { return cpu_has_amx_bf16() ? "amx" : (cpu_has_avx5
 // Whether panel_gemm runs on this CPU now for weights of this dtype.
 bool panel_usable(bool bfloat16) { return bfloat16 ? cpu_has_avx512_bf16() : (cpu_has_avx512() || kPanelAvx2); }
 
+// Whether panel_argmax does (AVX-512: not the float32 AVX2 path).
+bool panel_argmax_usable(bool bfloat16) { return bfloat16 ? cpu_has_avx512_bf16() : cpu_has_avx512(); }
+
 // Which kernel panel_gemm takes now for float32 weights ("avx512" or "avx2"; "" where none).
 std::string panel_isa() { return cpu_has_avx512() ? "avx512" : (kPanelAvx2 ? "avx2" : ""); }
 
-// panels: cpu_kernels.pack_panels(weight): [P, K, 48] float32 or [P, ceil(K/2), 48, 2] bfloat16,
-// outputs past N zero. N: the weight's rows.
-torch::Tensor panel_gemm(torch::Tensor x, torch::Tensor panels, int64_t N, c10::optional<torch::Tensor> bias) {
-  check_rows(x, "panel_gemm");
+// x's rows against the first N outputs of the panels (cpu_kernels.pack_panels(weight): [P, K, 48]
+// float32 or [P, ceil(K/2), 48, 2] bfloat16, outputs past the weight's rows zero) plus the bias:
+// into y ([M, N], rounded once to x's dtype), or with y null into each thread's argmax (states).
+static void panel_run(const torch::Tensor& x, const torch::Tensor& panels, int64_t N,
+                      const c10::optional<torch::Tensor>& bias, torch::Tensor* y, std::vector<PanelArgmax>* states,
+                      const char* name) {
+  check_rows(x, name);
   const bool bfloat16 = x.scalar_type() == at::kBFloat16;
-  const int64_t M = x.size(0), K = x.size(1), P = panels.size(0), K2 = (K + 1) / 2;
-  TORCH_CHECK(panels.is_contiguous() && panels.scalar_type() == x.scalar_type() && P == (N + kPanelWidth - 1) / kPanelWidth,
-              "panel_gemm: panels must be pack_panels(weight) of x's dtype for ", N, " outputs");
+  const int64_t M = x.size(0), K = x.size(1), P = (N + kPanelWidth - 1) / kPanelWidth, K2 = (K + 1) / 2;
+  TORCH_CHECK(panels.is_contiguous() && panels.scalar_type() == x.scalar_type() && N > 0 && panels.size(0) >= P,
+              name, ": panels must be pack_panels(weight) of x's dtype for at least ", N, " outputs");
   TORCH_CHECK(bfloat16 ? (panels.dim() == 4 && panels.size(1) == K2 && panels.size(2) == kPanelWidth && panels.size(3) == 2)
                        : (panels.dim() == 3 && panels.size(1) == K && panels.size(2) == kPanelWidth),
-              "panel_gemm: x has ", K, " columns, not the inputs its panels were packed for");
+              name, ": x has ", K, " columns, not the inputs its panels were packed for");
   if (bias)
-    TORCH_CHECK(bias->is_contiguous() && bias->numel() == N && bias->scalar_type() == x.scalar_type(),
-                "panel_gemm: bias of N values of x's dtype");
-  TORCH_CHECK(panel_usable(bfloat16), "panel_gemm: needs AVX2 or AVX-512 (bfloat16: AVX512-BF16) on this CPU");
-  auto y = torch::empty({M, N}, x.options());
-  if (M == 0) return y;
+    TORCH_CHECK(bias->is_contiguous() && bias->numel() >= N && bias->scalar_type() == x.scalar_type(),
+                name, ": bias of at least N values of x's dtype");
+  if (M == 0) return;
   if (bfloat16 && M >= kAmxMinRows && cpu_has_amx_bf16()) {
     panel_gemm_amx(x.data_ptr<bf16>(), x.stride(0), M, K, panels.data_ptr<bf16>(), P,
-                   bias ? bias->data_ptr<bf16>() : nullptr, y.data_ptr<bf16>(), N);
-    return y;
+                   bias ? bias->data_ptr<bf16>() : nullptr, y ? y->data_ptr<bf16>() : nullptr, N, states);
+    return;
   }
   // x transposed ([K][M] float32, or [K/2][M] bfloat16 pairs): each k's rows side by side, so a
   // register block broadcasts them from one cache line.
   thread_local std::vector<uint32_t> scratch;
   const int64_t ldx = M, ldr = x.stride(0);
   scratch.assign((bfloat16 ? K2 : K) * M, 0u);
-  dispatch(x, "panel_gemm", [&](auto tag) {
+  dispatch(x, name, [&](auto tag) {
     using W = decltype(tag);
     const W* xp = x.data_ptr<W>();
     if constexpr (std::is_same_v<W, bf16>) {
@@ -350,13 +426,15 @@ torch::Tensor panel_gemm(torch::Tensor x, torch::Tensor panels, int64_t N, c10::
     }
     const W* pp = panels.data_ptr<W>();
     const W* bp = bias ? bias->data_ptr<W>() : nullptr;
-    W* yp = y.data_ptr<W>();
+    W* yp = y ? y->data_ptr<W>() : nullptr;
     const void* xt = scratch.data();
     const int64_t panel_values = bfloat16 ? K2 * 2 * kPanelWidth : K * kPanelWidth;
     // Row blocks of near-equal size (12 rows: two of 6, not 8 and 4).
     const int64_t blocks = (M + kPanelRows - 1) / kPanelRows;
     const bool avx2 = !cpu_has_avx512();
     parallel_guided(P, [&](int64_t p0, int64_t p1) {
+      thread_local std::vector<float> vals;  // the panel's outputs for the argmax: [M][48]
+      if (!yp) vals.resize(M * kPanelWidth);
       for (int64_t p = p0; p < p1; ++p) {
 #if defined(__AVX2__) && defined(__FMA__)
         if constexpr (std::is_same_v<W, float>) {
@@ -368,11 +446,52 @@ torch::Tensor panel_gemm(torch::Tensor x, torch::Tensor panels, int64_t N, c10::
 #endif
         for (int64_t b = 0, m0 = 0; b < blocks; ++b) {
           const int64_t rows = M / blocks + (b < M % blocks ? 1 : 0);
-          panel_group<W>(pp + p * panel_values, xt, ldx, K, bp, yp, N, m0, rows, p * kPanelWidth);
+          panel_group<W>(pp + p * panel_values, xt, ldx, K, bp, yp, N, m0, rows, p * kPanelWidth, vals.data());
           m0 += rows;
         }
+        if (!yp)
+          panel_argmax_update(vals.data(), M, std::min(kPanelWidth, N - p * kPanelWidth), p * kPanelWidth, 0,
+                              (*states)[at::get_thread_num()]);
       }
     });
   });
+}
+
+// F.linear(x, weight, bias) for N = the weight's rows (panels: pack_panels(weight)).
+torch::Tensor panel_gemm(torch::Tensor x, torch::Tensor panels, int64_t N, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(panel_usable(x.scalar_type() == at::kBFloat16),
+              "panel_gemm: needs AVX2 or AVX-512 (bfloat16: AVX512-BF16) on this CPU");
+  auto y = torch::empty({x.size(0), N}, x.options());
+  panel_run(x, panels, N, bias, &y, nullptr, "panel_gemm");
   return y;
+}
+
+// Per row of x, the index of the largest of its first N outputs, as argmax_rows(panel_gemm(x, panels,
+// N, bias)) finds it (the outputs rounded as panel_gemm rounds them; the first of equal maxima),
+// without writing the [M, N] outputs: a greedy decode step's LM head, whose 64 x 49,152 bfloat16
+// logits panel_gemm writes to memory (6 MB, a row's 48 columns at a time) and argmax_rows reads
+// back, here compared while a panel's outputs are in L1. Rows that meet a NaN take argmax_rows of
+// panel_gemm's outputs (their first NaN). N may be fewer than the panels' outputs (a padded
+// vocabulary).
+torch::Tensor panel_argmax(torch::Tensor x, torch::Tensor panels, int64_t N, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(panel_argmax_usable(x.scalar_type() == at::kBFloat16),
+              "panel_argmax: needs AVX-512 (bfloat16: AVX512-BF16) on this CPU");
+  TORCH_CHECK(N < (int64_t{1} << 31), "panel_argmax: at most 2^31 - 1 outputs");
+  const int64_t M = x.size(0);
+  std::vector<PanelArgmax> states(at::get_num_threads(), PanelArgmax(M));
+  panel_run(x, panels, N, bias, nullptr, &states, "panel_argmax");
+  auto out = torch::empty({M}, x.options().dtype(torch::kLong));
+  int64_t* op = out.data_ptr<int64_t>();
+  torch::Tensor again;  // the outputs, for rows with a NaN
+  for (int64_t m = 0; m < M; ++m) {
+    bool nan = false;
+    for (const auto& s : states) nan = nan || s.nan[m];
+    if (!nan) {
+      op[m] = panel_argmax_row(states, m);
+      continue;
+    }
+    if (!again.defined()) again = panel_gemm(x, panels, N, bias);  // all rows: the same kernel, the same sums
+    op[m] = argmax_rows(again.slice(0, m, m + 1)).item<int64_t>();
+  }
+  return out;
 }
