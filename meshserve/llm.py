@@ -50,7 +50,7 @@ class LLM:
         try:
             for prompt, params in zip(prompts, sampling_params):
                 rid = f"llm-{next(self._ids)}"
-                ids = self.engine.add_request(rid, prompt, params)
+                ids = self.engine.add_request(rid, prompt, params, final_only=True)
                 collected[rid] = _Collected(rid, prompt if isinstance(prompt, str) else None, ids, params)
             return self._run(collected, use_tqdm)
         except BaseException:

@@ -33,6 +33,21 @@ class IncrementalDetokenizer:
         self.tokens.append(token_id)
         return self._advance(final=False)
 
+    def add_many(self, token_ids: list[int]) -> str:
+        """What add() of each token in turn returns, together: one window over them all, two
+        decodes instead of two a token. Where the window's text ends inside a character (add()
+        would hold only that character back, this the whole window) they go one by one."""
+        if len(token_ids) <= 1:
+            return self.add(token_ids[0]) if token_ids else ""
+        before = (len(self.tokens), self.prefix_offset, self.read_offset)
+        self.tokens.extend(token_ids)
+        delta = self._advance(final=False)
+        if self.read_offset == len(self.tokens):
+            return delta
+        del self.tokens[before[0]:]
+        self.prefix_offset, self.read_offset = before[1], before[2]
+        return "".join(self.add(t) for t in token_ids)
+
     def flush(self) -> str:
         return self._advance(final=True)
 

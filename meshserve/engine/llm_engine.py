@@ -111,12 +111,14 @@ class LLMEngine(CallAnswers):
     # ---- requests ----------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                     arrival_time: float | None = None, lease_id: str | None = None, lease_owner: str = "",
-                    cache_salt: str = "", kv_transfer: dict[str, Any] | None = None) -> list[int]:
+                    cache_salt: str = "", kv_transfer: dict[str, Any] | None = None,
+                    final_only: bool = False) -> list[int]:
         """Queue a request; returns its prompt token ids. ValueError (naming the problem) for a
         request the engine cannot serve: nothing is queued then. With `lease_id` the request draws
         on that reservation of `lease_owner`'s (and is never preempted); the lease ends when the
         request does. `cache_salt`: its prefix-cache scope (hits only on blocks of the same salt).
-        `kv_transfer`: the descriptor of a hand-off to a decode engine (kv_transfer/connector.py)."""
+        `kv_transfer`: the descriptor of a hand-off to a decode engine (kv_transfer/connector.py).
+        `final_only`: its output comes in one delta, when it ends (EngineRequest.final_only)."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
@@ -142,7 +144,7 @@ class LLMEngine(CallAnswers):
             max_new = min(params.max_tokens, self.max_model_len - len(ids)) if params.max_tokens is not None \
                 else self.max_model_len - len(ids)
             self.block_manager.bind(lease_id, request_id, seqs, max_new, lease_owner)
-        state = EngineRequest(request_id, ids, params, self.tokenizer, arrival, seqs)
+        state = EngineRequest(request_id, ids, params, self.tokenizer, arrival, seqs, final_only)
         state.lease_id = lease_id
         state.eos_token_ids = () if params.ignore_eos else self.eos_token_ids
         if constraint is not None:  # scheduled once its parsers are compiled (off the step loop)
@@ -343,9 +345,8 @@ class LLMEngine(CallAnswers):
         now = time.monotonic()
         deltas = []
         for state in touched:
-            for sample in state.samples:
-                if sample.rendered < len(sample.token_ids):
-                    sample.render(sample.finished, check_stops=False)
+            if state.final_only and not state.finished:
+                continue
             delta = state.take_delta()
             if state.finished and delta is not None and self.kv is not None \
                     and self.kv.hold_finished(state.request_id, state, delta):

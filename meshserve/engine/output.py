@@ -59,7 +59,7 @@ class SampleState:
 
     def render(self, final: bool, check_stops: bool) -> None:
         """Detokenize the tokens pushed since the last render; check stop strings on the new text."""
-        delta = "".join(self.detok.add(t) for t in self.token_ids[self.rendered:])
+        delta = self.detok.add_many(self.token_ids[self.rendered:])
         self.rendered = len(self.token_ids)
         if final:
             delta += self.detok.flush()
@@ -80,7 +80,9 @@ class SampleState:
             self.finish_reason, self.stop_reason = reason, stop_reason
 
     def take_delta(self) -> SampleDelta | None:
-        """What is new since the last delta, or None when nothing moved."""
+        """What is new since the last delta (its tokens' text rendered first), or None when nothing moved."""
+        if self.rendered < len(self.token_ids):
+            self.render(self.finished, check_stops=False)
         new_tokens = len(self.token_ids) - self.sent_tokens
         if new_tokens == 0 and (self.reported or not self.finished):
             return None
@@ -101,7 +103,7 @@ class EngineRequest:
     """One request in the engine: its sequences' outputs, timestamps, and what was handed out."""
 
     def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams, tokenizer: Tokenizer,
-                 arrival: float, seqs: list[Sequence]) -> None:
+                 arrival: float, seqs: list[Sequence], final_only: bool = False) -> None:
         self.request_id, self.prompt_ids, self.params, self.seqs = request_id, prompt_ids, params, seqs
         self.samples = [SampleState(i, IncrementalDetokenizer(tokenizer, params.skip_special_tokens, prompt_ids),
                                     params) for i in range(params.n)]
@@ -110,6 +112,9 @@ class EngineRequest:
         self.error_code: ErrorCode | None = None  # why the engine ended it early
         self.lease_id: str | None = None  # the KV reservation it draws on
         self.eos_token_ids: tuple[int, ...] = ()  # the ids that end its samples (none with ignore_eos)
+        # Its output goes out in one delta when it ends (LLM.generate reads nothing before): its
+        # text is rendered then, in one pass, not a token at a time (stop strings still are).
+        self.final_only = final_only
 
     @property
     def finished(self) -> bool:

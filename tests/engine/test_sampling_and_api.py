@@ -149,3 +149,30 @@ def test_engine_config_validation():
         EngineConfig(dtype="int3")
     with pytest.raises(ValueError, match="kv_cache_memory_bytes"):
         LLM(kv_cache_memory_bytes=1 << 20, max_model_len=2048)
+
+
+def test_final_only_requests_get_one_delta_with_the_streamed_text(llm):
+    """LLM.generate's requests (final_only) get their whole output in one delta when they end: the
+    same tokens and text as a request streamed step by step, stop strings included."""
+    engine = llm.engine
+    prompt = "Write a short poem about the sea:"
+    full = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    stop_text = llm.generate(prompt, full)[0].outputs[0].text[5:8]
+    cases = {"plain": full, "stop": SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop=[stop_text])}
+    deltas: dict[str, list] = {}
+    for name, params in cases.items():
+        for final_only in (False, True):
+            engine.add_request(f"{name}-{final_only}", prompt, params, final_only=final_only)
+            deltas[f"{name}-{final_only}"] = []
+    while engine.has_unfinished_requests():
+        for d in engine.step():
+            deltas[d.request_id].append(d)
+    for name in cases:
+        streamed, final = deltas[f"{name}-False"], deltas[f"{name}-True"]
+        assert len(streamed) > 1 and len(final) == 1 and final[0].finished
+        text = "".join(o.text for d in streamed for o in d.outputs)
+        assert final[0].outputs[0].text == text
+        assert final[0].outputs[0].token_ids == [t for d in streamed for o in d.outputs for t in o.token_ids]
+        assert final[0].outputs[0].finish_reason == streamed[-1].outputs[0].finish_reason
+    assert deltas["stop-True"][0].outputs[0].finish_reason == "stop"
+    assert stop_text not in deltas["stop-True"][0].outputs[0].text
