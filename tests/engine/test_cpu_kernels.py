@@ -365,6 +365,9 @@ def test_bf16_elementwise_kernels_round_float32_math_once(isa):
     gate_up = (torch.randn(9, 2 * 200, generator=g) * 6).bfloat16()
     gate, up = gate_up.float().chunk(2, dim=-1)
     assert _bf16_ulps(cpu_kernels.silu_and_mul(gate_up), F.silu(gate) * up) <= 0.5 + 1e-3
+    gate_up[0, :6] = torch.tensor([-200.0, -88.0, -20.0, 0.0, 20.0, 100.0])  # the exponential's clamps and beyond
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    torch.testing.assert_close(cpu_kernels.silu_and_mul(gate_up).float(), F.silu(gate) * up, rtol=2 ** -8, atol=1e-6)
 
     from meshserve.layers.rotary import RotaryEmbedding
     rot = RotaryEmbedding(64, 512, 10000.0, None)
