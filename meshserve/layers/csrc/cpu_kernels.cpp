@@ -96,18 +96,21 @@ static void dispatch(const torch::Tensor& x, const char* name, Body&& body) {
   body(bf16{});
 }
 
+// exp_approx's constants, shared with its vector forms (exp_avx512 below, exp8 in
+// prefill_attention.cpp): ln 2 split in two for precision, and exp(r)'s polynomial from its
+// highest coefficient down (then r^2 times it, plus r, plus 1).
+constexpr float kLn2Hi = 0.693359375f, kLn2Lo = 2.12194440e-4f;
+constexpr float kExpPoly[] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                              4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+
 // exp(x) for float32, written so that `omp simd` loops vectorise it: x = n ln2 + r with
 // |r| <= ln2 / 2, then a degree-6 polynomial for exp(r) (max relative error ~2 ulp) scaled by 2^n.
 static inline float exp_approx(float x) {
   x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
   const float n = std::floor(x * 1.44269504088896341f + 0.5f);
-  const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;  // ln2 split in two for precision
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
+  const float r = (x - n * kLn2Hi) + n * kLn2Lo;
+  float p = kExpPoly[0];
+  for (int i = 1; i < 6; ++i) p = p * r + kExpPoly[i];
   p = p * r * r + r + 1.0f;
   const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
   float scale;
@@ -219,14 +222,9 @@ AVX512 static inline __m512 exp_avx512(__m512 x) {
   x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f),  // ln2 split in two, as there
-                                   _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x));
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  const __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(kLn2Lo), _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Hi), x));
+  __m512 p = _mm512_set1_ps(kExpPoly[0]);
+  for (int i = 1; i < 6; ++i) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpPoly[i]));
   p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
   return _mm512_scalef_ps(p, n);
 }
