@@ -116,11 +116,15 @@ def test_other_dtypes_keep_pytorch_path():
 
 # ---- causal attention of fresh prompts (float32, AVX2 CPUs without AVX-512) ---------------------------
 
-def _split_qkv(n, length, heads, kv_heads, head_dim, seed=0):
-    """q, k, v as the model has them: column slices of one QKV output, so their rows are strided."""
+def _split_qkv(n, length, heads, kv_heads, head_dim, seed=0, own_k=False, dtype=torch.float32):
+    """q, k, v as the model has them: column slices of one QKV output, so their rows are strided;
+    with own_k, k in a tensor of its own (Qwen3 norms q and k into new tensors), so that k's rows and
+    v's have different strides."""
     g = torch.Generator().manual_seed(seed)
-    qkv = 3 * torch.randn(n * length, (heads + 2 * kv_heads) * head_dim, generator=g)
+    qkv = (3 * torch.randn(n * length, (heads + 2 * kv_heads) * head_dim, generator=g)).to(dtype)
     q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=1)
+    if own_k:
+        k = k.contiguous()
     return (q.view(-1, heads, head_dim), k.view(-1, kv_heads, head_dim), v.view(-1, kv_heads, head_dim))
 
 
@@ -156,11 +160,11 @@ def test_bf16_prefill_kernel_runs_on_amx_alone(bf16_path):
 # head sizes through the 32-column and the 8-column weighted sums.
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(n=st.integers(1, 3), length=st.integers(1, 70), kv_heads=st.integers(1, 3), group=st.integers(1, 4),
-       head_dim=st.sampled_from([8, 32, 40, 64, 128]), seed=st.integers(0, 3))
-def test_prefill_causal_is_causal_attention(n, length, kv_heads, group, head_dim, seed):
+       head_dim=st.sampled_from([8, 32, 40, 64, 128]), seed=st.integers(0, 3), own_k=st.booleans())
+def test_prefill_causal_is_causal_attention(n, length, kv_heads, group, head_dim, seed, own_k):
     cpu_kernels.allow_avx512(False)  # where the CPU has AVX-512 the kernel is only taken so
     try:
-        q, k, v = _split_qkv(n, length, kv_heads * group, kv_heads, head_dim, seed)
+        q, k, v = _split_qkv(n, length, kv_heads * group, kv_heads, head_dim, seed, own_k)
         got = cpu_kernels.prefill_causal(q, k, v, n)
     finally:
         cpu_kernels.allow_avx512(True)
@@ -257,10 +261,10 @@ def _needs_amx():
 @settings(max_examples=40, deadline=None)
 @given(n=st.integers(1, 3), length=st.one_of(st.integers(1, 70), st.sampled_from([255, 256, 257])),
        kv_heads=st.integers(1, 3), group=st.integers(1, 5), head_dim=st.sampled_from([32, 64, 96, 128]),
-       seed=st.integers(0, 3))
-def test_bf16_prefill_is_causal_attention_of_the_bf16_values(n, length, kv_heads, group, head_dim, seed):
+       seed=st.integers(0, 3), own_k=st.booleans())
+def test_bf16_prefill_is_causal_attention_of_the_bf16_values(n, length, kv_heads, group, head_dim, seed, own_k):
     _needs_amx()
-    q, k, v = (x.bfloat16() for x in _split_qkv(n, length, kv_heads * group, kv_heads, head_dim, seed))
+    q, k, v = _split_qkv(n, length, kv_heads * group, kv_heads, head_dim, seed, own_k, torch.bfloat16)
     got = cpu_kernels.prefill_causal(q, k, v, n)
     expected = _causal_sdpa(q.float(), k.float(), v.float(), n)
     assert got.dtype == torch.bfloat16 and got.shape == expected.shape

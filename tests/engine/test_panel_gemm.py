@@ -114,8 +114,8 @@ def test_panel_gemm_refuses_what_it_cannot_compute():
         cpu_kernels.panel_gemm(torch.randn(2, 32), panels, 200)
     with pytest.raises(RuntimeError, match="31 columns"):
         cpu_kernels.panel_gemm(torch.randn(2, 31), panels, 100)
-    with pytest.raises(RuntimeError, match="dtype"):
-        cpu_kernels.panel_gemm(torch.randn(2, 32).bfloat16(), panels, 100)
+    with pytest.raises(RuntimeError, match="dtype"):  # float32 rows: a check every CPU with panels reaches
+        cpu_kernels.panel_gemm(torch.randn(2, 32), panels.bfloat16(), 100)
     previous = cpu_kernels.allow_avx512(False)
     try:  # bfloat16 panels need AVX512-BF16; float32 ones take the AVX2 path
         assert cpu_kernels.panel_isa() == "avx2" and not cpu_kernels.panel_usable(torch.bfloat16)

@@ -1,6 +1,7 @@
 // Causal attention of fresh prompts (nothing cached), float32 on AVX2 CPUs and bfloat16 on AMX
-// (prefill_amx below): n prompts of equal length L packed back to back, q [n*L, H, D], k and v [n*L, KVH, D] (rows may be strided: they are
-// column slices of the QKV output), grouped-query heads read their KV head's rows. PyTorch's flash
+// (prefill_amx below): n prompts of equal length L packed back to back, q [n*L, H, D], k and v [n*L, KVH, D] (rows
+// strided, each its own stride: column slices of the QKV output, or k normed into a tensor of its own as Qwen3's
+// are), grouped-query heads read their KV head's rows. PyTorch's flash
 // attention on CPU multiplies 64-row blocks of each head through BLAS calls and rescales an online
 // softmax; here each tile of six positions of one head takes its scores against exactly the keys it
 // sees, in registers (six rows x sixteen keys), then an exact softmax over them and the weighted sum
@@ -158,14 +159,14 @@ constexpr int64_t kOutTiles = 4;  // sum tiles of the weighted values at once (6
 // One prompt's KV head: keys as the scores' B tiles, [key block of 16][slice of 32 values][pair
 // row][key][2], and values as the weighted sum's, [slice of 32 keys][block of 16 values][key pair
 // row][value][2]; zero past the prompt's L keys.
-AMX_BF16 static void pack_head(const bf16* k, const bf16* v, int64_t stride, int64_t L, int64_t D, bf16* kt,
-                               bf16* vt) {
+AMX_BF16 static void pack_head(const bf16* k, int64_t ks, const bf16* v, int64_t vs, int64_t L, int64_t D,
+                               bf16* kt, bf16* vt) {
   const int64_t NC = D / kAmxTileDepth, ND = D / kAmxTileRows;
   if (L % kAmxTileRows) std::memset(kt + (L - 1) / kAmxTileRows * NC * kTile, 0, NC * kTile * sizeof(bf16));
   if (L % kAmxTileDepth) std::memset(vt + (L - 1) / kAmxTileDepth * ND * kTile, 0, ND * kTile * sizeof(bf16));
   // A key is D / 2 pairs of values (32-bit words), which its block's tiles hold as a column.
   for (int64_t j = 0; j < L; ++j) {
-    const uint32_t* kr = reinterpret_cast<const uint32_t*>(k + j * stride);
+    const uint32_t* kr = reinterpret_cast<const uint32_t*>(k + j * ks);
     uint32_t* kb = reinterpret_cast<uint32_t*>(kt + j / kAmxTileRows * NC * kTile) + j % kAmxTileRows;
     for (int64_t w = 0; w < D / 2; ++w) kb[w / 16 * (kTile / 2) + w % 16 * 16] = kr[w];
   }
@@ -175,8 +176,8 @@ AMX_BF16 static void pack_head(const bf16* k, const bf16* v, int64_t stride, int
   const __m512i order = _mm512_loadu_si512(interleave);
   for (int64_t j = 0; j < L; j += 2)
     for (int64_t db = 0; db < ND; ++db) {
-      const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + j * stride + db * 16));
-      const __m256i b = j + 1 < L ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + (j + 1) * stride + db * 16))
+      const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + j * vs + db * 16));
+      const __m256i b = j + 1 < L ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + (j + 1) * vs + db * 16))
                                   : _mm256_setzero_si256();
       const __m512i ab = _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1);
       _mm512_storeu_si512(vt + (j / kAmxTileDepth * ND + db) * kTile + j % kAmxTileDepth / 2 * 32,
@@ -269,8 +270,8 @@ AMX_BF16 static void store_rows(const float* o, const float* inv_sum, int64_t ro
 }
 
 template <int NC>
-AMX_BF16 static void attend(const bf16* qp, int64_t qs, const bf16* kp, const bf16* vp, int64_t kvs, bf16* op,
-                            int64_t n, int64_t L, int64_t H, int64_t KVH) {
+AMX_BF16 static void attend(const bf16* qp, int64_t qs, const bf16* kp, int64_t ks, const bf16* vp, int64_t vs,
+                            bf16* op, int64_t n, int64_t L, int64_t H, int64_t KVH) {
   constexpr int64_t D = NC * kAmxTileDepth, ND = D / kAmxTileRows;
   const int64_t G = H / KVH, blocks = (L + kAmxTileRows - 1) / kAmxTileRows;
   const int64_t Lk = blocks * kAmxTileRows, Lv = (L + kAmxTileDepth - 1) / kAmxTileDepth * kAmxTileDepth;
@@ -281,7 +282,7 @@ AMX_BF16 static void attend(const bf16* qp, int64_t qs, const bf16* kp, const bf
   parallel_chunks(n * KVH, [&](int64_t begin, int64_t end) {
     for (int64_t sg = begin; sg < end; ++sg) {
       const int64_t s = sg / KVH, g = sg % KVH;
-      pack_head(kp + s * L * kvs + g * D, vp + s * L * kvs + g * D, kvs, L, D, kt + sg * Lk * D, vt + sg * Lv * D);
+      pack_head(kp + s * L * ks + g * D, ks, vp + s * L * vs + g * D, vs, L, D, kt + sg * Lk * D, vt + sg * Lv * D);
     }
   });
   // Tasks: 16 positions of one head, the last blocks of every prompt first (they see the most keys),
@@ -362,7 +363,6 @@ static void prefill_causal_into(const torch::Tensor& q, const torch::Tensor& k, 
               "prefill_causal: k and v must be [tokens, kv_heads, head_dim] with heads a multiple of kv_heads");
   for (const auto* x : {&q, &k, &v})
     TORCH_CHECK(x->stride(2) == 1 && x->stride(1) == D, "prefill_causal: each token's heads must be contiguous");
-  TORCH_CHECK(k.stride(0) == v.stride(0), "prefill_causal: k and v rows must be equally strided");
   TORCH_CHECK(out.scalar_type() == q.scalar_type() && out.is_contiguous() && out.sizes() == q.sizes(),
               "prefill_causal: out must be a contiguous tensor like q");
   if (T == 0) return;
@@ -374,10 +374,10 @@ static void prefill_causal_into(const torch::Tensor& q, const torch::Tensor& k, 
     const bf16* vp = v.data_ptr<bf16>();
     bf16* op = out.data_ptr<bf16>();
     switch (D / kAmxTileDepth) {
-      case 1: prefill_amx::attend<1>(qp, q.stride(0), kp, vp, k.stride(0), op, n, L, H, KVH); break;
-      case 2: prefill_amx::attend<2>(qp, q.stride(0), kp, vp, k.stride(0), op, n, L, H, KVH); break;
-      case 3: prefill_amx::attend<3>(qp, q.stride(0), kp, vp, k.stride(0), op, n, L, H, KVH); break;
-      default: prefill_amx::attend<4>(qp, q.stride(0), kp, vp, k.stride(0), op, n, L, H, KVH); break;
+      case 1: prefill_amx::attend<1>(qp, q.stride(0), kp, k.stride(0), vp, v.stride(0), op, n, L, H, KVH); break;
+      case 2: prefill_amx::attend<2>(qp, q.stride(0), kp, k.stride(0), vp, v.stride(0), op, n, L, H, KVH); break;
+      case 3: prefill_amx::attend<3>(qp, q.stride(0), kp, k.stride(0), vp, v.stride(0), op, n, L, H, KVH); break;
+      default: prefill_amx::attend<4>(qp, q.stride(0), kp, k.stride(0), vp, v.stride(0), op, n, L, H, KVH); break;
     }
     return;
   }
