@@ -134,8 +134,11 @@ def panel_max_rows(dtype: torch.dtype) -> int:
     if not (_small_rows_kernels() and cpu_kernels.panel_usable(dtype)):
         return 0
     if dtype == torch.bfloat16:
-        if cpu_kernels.panel_bf16_isa() == "amx":
+        isa = cpu_kernels.panel_bf16_isa()
+        if isa == "amx":
             return PANEL_MAX_ROWS_AMX_TILES
+        if isa == "avx2":
+            return PANEL_MAX_ROWS_AVX2
         return PANEL_MAX_ROWS_AMX if packs(dtype) and cpu_bf16_matmul_isa() == "AMX" else PANEL_MAX_ROWS
     if cpu_kernels.panel_isa() == "avx2":
         return PANEL_MAX_ROWS_AVX2

@@ -229,7 +229,8 @@ PANEL_TILE_MIN_ROWS = 9  # kAmxMinRows: bfloat16 from this many rows on takes AM
 
 
 def panel_usable(dtype: torch.dtype) -> bool:
-    """panel_gemm runs on this CPU now for this dtype (float32: AVX-512 or AVX2; bfloat16: AVX512-BF16)."""
+    """panel_gemm runs on this CPU now for this dtype (float32: AVX-512 or AVX2; bfloat16: AVX512-BF16,
+    or widened to float32 in registers on AVX2)."""
     return dtype in DTYPES and available() and _kernels().panel_usable(dtype == torch.bfloat16)
 
 
@@ -245,7 +246,8 @@ def panel_isa() -> str:
 
 def panel_bf16_isa() -> str:
     """The kernel panel_gemm takes for bfloat16 from PANEL_TILE_MIN_ROWS rows on: "amx" (tiles),
-    "avx512_bf16" (register blocks, as for fewer rows), or "" (none on this CPU)."""
+    "avx512_bf16" (register blocks, as for fewer rows), "avx2" (widened in registers, every row
+    count), or "" (none on this CPU)."""
     return _kernels().panel_bf16_isa()
 
 

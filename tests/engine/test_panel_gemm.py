@@ -16,7 +16,7 @@ DTYPES = [torch.float32, torch.bfloat16]
 
 def _runs(dtype: torch.dtype) -> None:
     if not cpu_kernels.panel_usable(dtype):
-        pytest.skip("panel_gemm needs " + ("AVX512-BF16 for bfloat16" if dtype == torch.bfloat16 else "AVX2") + " here")
+        pytest.skip("panel_gemm needs AVX2 or AVX-512 (bfloat16: with BF16) here")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -117,10 +117,11 @@ def test_panel_gemm_refuses_what_it_cannot_compute():
     with pytest.raises(RuntimeError, match="dtype"):  # float32 rows: a check every CPU with panels reaches
         cpu_kernels.panel_gemm(torch.randn(2, 32), panels.bfloat16(), 100)
     previous = cpu_kernels.allow_avx512(False)
-    try:  # bfloat16 panels need AVX512-BF16; float32 ones take the AVX2 path
-        assert cpu_kernels.panel_isa() == "avx2" and not cpu_kernels.panel_usable(torch.bfloat16)
-        with pytest.raises(RuntimeError, match="AVX512-BF16"):
-            cpu_kernels.panel_gemm(torch.randn(2, 32).bfloat16(), cpu_kernels.pack_panels(w.bfloat16()), 100)
+    try:  # without AVX-512 both dtypes take the AVX2 path, bfloat16 widened in registers
+        assert cpu_kernels.panel_isa() == "avx2" and cpu_kernels.panel_bf16_isa() == "avx2"
+        assert cpu_kernels.panel_usable(torch.bfloat16) and not cpu_kernels.panel_argmax_usable(torch.float32)
+        with pytest.raises(RuntimeError, match="needs AVX-512"):
+            cpu_kernels.panel_argmax(torch.randn(2, 32), panels, 100)
     finally:
         cpu_kernels.allow_avx512(previous)
 

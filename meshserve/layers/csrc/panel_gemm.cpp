@@ -1,5 +1,5 @@
 // Matmuls of a few to a few dozen rows on a weight packed in panels: y[M, N] = x[M, K] @ w[N, K]^T
-// (+ bias): float32 on AVX-512 or AVX2, bfloat16 with AVX512-BF16.
+// (+ bias): float32 on AVX-512 or AVX2, bfloat16 with AVX512-BF16 (AMX tiles from 9 rows) or on AVX2.
 //
 // The GEMV (gemv.cpp) sums along K and ends in a horizontal add per output: right for one row,
 // compute-bound from a few rows on. Here the outputs run across the lanes instead. A panel holds
@@ -18,6 +18,8 @@
 // bfloat16 panels keep pairs of neighbours along K together ([K/2][48][2]) so that one
 // vdpbf16ps multiplies a pair of x's values, broadcast as one 32-bit lane, by 16 outputs' pairs:
 // x and the weight as they are stored, products summed in float32, as oneDNN's bfloat16 matmul does.
+// On AVX2 the same panels widen to float32 in registers (a shift and a mask per 32-bit lane), so
+// a bfloat16 model decodes from half the bytes without AVX512-BF16.
 
 constexpr int64_t kPanelVectors = 3;
 constexpr int64_t kPanelWidth = 16 * kPanelVectors;  // outputs per panel (cpu_kernels.PANEL_WIDTH)
@@ -87,8 +89,8 @@ __attribute__((always_inline)) static inline void store_panel_row(const float* o
 
 #if defined(__AVX2__) && defined(__FMA__)
 constexpr int64_t kPanelVectorsAvx2 = kPanelWidth / 8;
-// Values of K per pass over a panel's rows: 96 x 48 floats (18 KB) stay in L1 while every pair of
-// rows of x meets them, so only the first pair reads them from memory.
+// A panel's rows per pass (96 values of K, or of bfloat16 pairs: 18 KB either way) stay in L1 while
+// every pair of rows of x meets them, so only the first pair reads them from memory.
 constexpr int64_t kPanelDepthAvx2 = 96;
 
 // MR <= 2 rows of x (xt offset to the first) against k0..k1 of one panel, continuing the sums in
@@ -97,35 +99,59 @@ constexpr int64_t kPanelDepthAvx2 = 96;
 // into L2: over all the passes the next slice arrives while this one is computed on. With one pass
 // (one or two rows of x) the panels are read once, in order, a stream the hardware prefetcher
 // follows: asking for it too, 18 KB ahead, made one and two rows 1.04-1.13x slower on a Zen 4.
-template <int MR>
-static inline void panel_pass_avx2(const float* panel, const float* xt, int64_t ldx, int64_t k0, int64_t k1,
+// bfloat16 panels: k counts pair rows, and each 32-bit lane's pair widens to float32 with a shift
+// (the even value of K) and a mask (the odd one), each multiplied by its own value of x (xt holds
+// 2 * K2 rows of K, the last zero for an odd K): products of bfloat16 values are exact in float32,
+// summed in the order of K as the float32 panels sum them, and rounded once.
+template <int MR, typename W>
+static inline void panel_pass_avx2(const W* panel, const float* xt, int64_t ldx, int64_t k0, int64_t k1,
                                    float* acc_io, int64_t pass, int64_t passes) {
+  constexpr bool pairs = std::is_same_v<W, bf16>;
+  constexpr int64_t row_values = pairs ? 2 * kPanelWidth : kPanelWidth;  // a panel row is 192 bytes either way
   __m256 acc[MR][kPanelVectorsAvx2];
   for (int m = 0; m < MR; ++m)
     for (int v = 0; v < kPanelVectorsAvx2; ++v) acc[m][v] = _mm256_loadu_ps(acc_io + m * kPanelWidth + 8 * v);
-  const float* next = panel + k1 * kPanelWidth;  // past a panel's end: the next panel, as stored
+  const W* next = panel + k1 * row_values;  // past a panel's end: the next panel, as stored
   int64_t due = k0 + pass;
   for (int64_t k = k0; k < k1; ++k) {
-    const float* wk = panel + k * kPanelWidth;
+    const W* wk = panel + k * row_values;
     if (passes > 1 && k == due) {
       due += passes;
       for (int line = 0; line < kPanelVectors; ++line)
-        _mm_prefetch(reinterpret_cast<const char*>(next + (k - k0) * kPanelWidth + 16 * line), _MM_HINT_T1);
+        _mm_prefetch(reinterpret_cast<const char*>(next + (k - k0) * row_values) + 64 * line, _MM_HINT_T1);
     }
-    __m256 xb[MR];
-    for (int m = 0; m < MR; ++m) xb[m] = _mm256_broadcast_ss(xt + k * ldx + m);
-    for (int v = 0; v < kPanelVectorsAvx2; ++v) {
-      const __m256 w = _mm256_loadu_ps(wk + 8 * v);
-      for (int m = 0; m < MR; ++m) acc[m][v] = _mm256_fmadd_ps(xb[m], w, acc[m][v]);
+    if constexpr (pairs) {
+      __m256 xe[MR], xo[MR];
+      for (int m = 0; m < MR; ++m)
+        xe[m] = _mm256_broadcast_ss(xt + 2 * k * ldx + m), xo[m] = _mm256_broadcast_ss(xt + (2 * k + 1) * ldx + m);
+      const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+      for (int v = 0; v < kPanelVectorsAvx2; ++v) {
+        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wk + 16 * v));
+        const __m256 even = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+        const __m256 odd = _mm256_castsi256_ps(_mm256_and_si256(w, high));
+        for (int m = 0; m < MR; ++m) {
+          acc[m][v] = _mm256_fmadd_ps(xe[m], even, acc[m][v]);
+          acc[m][v] = _mm256_fmadd_ps(xo[m], odd, acc[m][v]);
+        }
+      }
+    } else {
+      __m256 xb[MR];
+      for (int m = 0; m < MR; ++m) xb[m] = _mm256_broadcast_ss(xt + k * ldx + m);
+      for (int v = 0; v < kPanelVectorsAvx2; ++v) {
+        const __m256 w = _mm256_loadu_ps(wk + 8 * v);
+        for (int m = 0; m < MR; ++m) acc[m][v] = _mm256_fmadd_ps(xb[m], w, acc[m][v]);
+      }
     }
   }
   for (int m = 0; m < MR; ++m)
     for (int v = 0; v < kPanelVectorsAvx2; ++v) _mm256_storeu_ps(acc_io + m * kPanelWidth + 8 * v, acc[m][v]);
 }
 
-// All M rows of x against one panel on AVX2, whose 16 registers hold two rows' sums at a time.
-static void panel_avx2(const float* panel, const float* xt, int64_t M, int64_t K, const float* bias, float* y,
-                       int64_t N, int64_t n0) {
+// All M rows of x against one panel on AVX2, whose 16 registers hold two rows' sums at a time. K:
+// the panel's rows (pair rows for bfloat16); xt: x transposed, float32, [K][M] ([2K][M]).
+template <typename W>
+static void panel_avx2(const W* panel, const float* xt, int64_t M, int64_t K, const W* bias, W* y, int64_t N,
+                       int64_t n0) {
   thread_local std::vector<float> sums;
   sums.assign(M * kPanelWidth, 0.0f);
   const int64_t passes = (M + 1) / 2;
@@ -371,12 +397,17 @@ static void panel_gemm_amx(const bf16*, int64_t, int64_t, int64_t, const bf16*, 
                            int64_t, std::vector<PanelArgmax>*) {}
 #endif
 
-// The kernel panel_gemm takes for bfloat16 rows from kAmxMinRows on ("amx" or "avx512_bf16"; ""
+// The kernel panel_gemm takes for bfloat16 rows from kAmxMinRows on ("amx", "avx512_bf16" or "avx2"; ""
 // where neither runs).
-std::string panel_bf16_isa() { return cpu_has_amx_bf16() ? "amx" : (cpu_has_avx512_bf16() ? "avx512_bf16" : ""); }
+std::string panel_bf16_isa() {
+  if (cpu_has_amx_bf16()) return "amx";
+  if (cpu_has_avx512_bf16()) return "avx512_bf16";
+  return !cpu_has_avx512() && kPanelAvx2 ? "avx2" : "";
+}
 
-// Whether panel_gemm runs on this CPU now for weights of this dtype.
-bool panel_usable(bool bfloat16) { return bfloat16 ? cpu_has_avx512_bf16() : (cpu_has_avx512() || kPanelAvx2); }
+// Whether panel_gemm runs on this CPU now for weights of this dtype: float32 on AVX-512 or AVX2;
+// bfloat16 with AVX512-BF16, or widened on AVX2 (not on AVX-512 without BF16, which takes the GEMV).
+bool panel_usable(bool bfloat16) { return bfloat16 ? !panel_bf16_isa().empty() : (cpu_has_avx512() || kPanelAvx2); }
 
 // Whether panel_argmax does (AVX-512: not the float32 AVX2 path).
 bool panel_argmax_usable(bool bfloat16) { return bfloat16 ? cpu_has_avx512_bf16() : cpu_has_avx512(); }
@@ -407,22 +438,27 @@ static void panel_run(const torch::Tensor& x, const torch::Tensor& panels, int64
                    bias ? bias->data_ptr<bf16>() : nullptr, y ? y->data_ptr<bf16>() : nullptr, N, states);
     return;
   }
-  // x transposed ([K][M] float32, or [K/2][M] bfloat16 pairs): each k's rows side by side, so a
-  // register block broadcasts them from one cache line.
+  // x transposed ([K][M] float32, or [K/2][M] bfloat16 pairs; on AVX2 [2 * K2][M] float32 whatever
+  // the dtype): each k's rows side by side, so a register block broadcasts them from one cache line.
   thread_local std::vector<uint32_t> scratch;
   const int64_t ldx = M, ldr = x.stride(0);
-  scratch.assign((bfloat16 ? K2 : K) * M, 0u);
+  const bool avx2 = !cpu_has_avx512();
+  const bool widened = bfloat16 && avx2;
+  scratch.assign((widened ? 2 * K2 : (bfloat16 ? K2 : K)) * M, 0u);
   dispatch(x, name, [&](auto tag) {
     using W = decltype(tag);
     const W* xp = x.data_ptr<W>();
     if constexpr (std::is_same_v<W, bf16>) {
-      auto* half = reinterpret_cast<uint16_t*>(scratch.data());  // little-endian: k even in the low half
-      for (int64_t m = 0; m < M; ++m)
-        for (int64_t k = 0; k < K; ++k) half[((k / 2) * ldx + m) * 2 + (k & 1)] = xp[m * ldr + k].x;
-    } else {
+      if (!widened) {
+        auto* half = reinterpret_cast<uint16_t*>(scratch.data());  // little-endian: k even in the low half
+        for (int64_t m = 0; m < M; ++m)
+          for (int64_t k = 0; k < K; ++k) half[((k / 2) * ldx + m) * 2 + (k & 1)] = xp[m * ldr + k].x;
+      }
+    }
+    if (!bfloat16 || widened) {
       auto* xt = reinterpret_cast<float*>(scratch.data());
       for (int64_t m = 0; m < M; ++m)
-        for (int64_t k = 0; k < K; ++k) xt[k * ldx + m] = xp[m * ldr + k];
+        for (int64_t k = 0; k < K; ++k) xt[k * ldx + m] = f32(xp[m * ldr + k]);
     }
     const W* pp = panels.data_ptr<W>();
     const W* bp = bias ? bias->data_ptr<W>() : nullptr;
@@ -431,17 +467,15 @@ static void panel_run(const torch::Tensor& x, const torch::Tensor& panels, int64
     const int64_t panel_values = bfloat16 ? K2 * 2 * kPanelWidth : K * kPanelWidth;
     // Row blocks of near-equal size (12 rows: two of 6, not 8 and 4).
     const int64_t blocks = (M + kPanelRows - 1) / kPanelRows;
-    const bool avx2 = !cpu_has_avx512();
     parallel_guided(P, [&](int64_t p0, int64_t p1) {
       thread_local std::vector<float> vals;  // the panel's outputs for the argmax: [M][48]
       if (!yp) vals.resize(M * kPanelWidth);
       for (int64_t p = p0; p < p1; ++p) {
 #if defined(__AVX2__) && defined(__FMA__)
-        if constexpr (std::is_same_v<W, float>) {
-          if (avx2) {
-            panel_avx2(pp + p * panel_values, static_cast<const float*>(xt), M, K, bp, yp, N, p * kPanelWidth);
-            continue;
-          }
+        if (avx2) {
+          panel_avx2(pp + p * panel_values, static_cast<const float*>(xt), M, bfloat16 ? K2 : K, bp, yp, N,
+                     p * kPanelWidth);
+          continue;
         }
 #endif
         for (int64_t b = 0, m0 = 0; b < blocks; ++b) {
