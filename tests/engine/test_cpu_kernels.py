@@ -559,8 +559,8 @@ def _packed_row_counts():
 def _small_row_limits(dtype, packing: bool) -> tuple[int, int]:
     """(panel, GEMV) row limits this CPU must choose now: the panels where they run (AVX-512 to
     PANEL_MAX_ROWS, float32 on an Intel CPU to PANEL_MAX_ROWS_INTEL, bfloat16 on their own AMX tiles
-    to PANEL_MAX_ROWS_AMX_TILES, else beside oneDNN on AMX to PANEL_MAX_ROWS_AMX; float32 on AVX2 to
-    PANEL_MAX_ROWS_AVX2; bfloat16 only with AVX512-BF16) and
+    to PANEL_MAX_ROWS_AMX_TILES, else beside oneDNN on AMX to PANEL_MAX_ROWS_AMX; either dtype on AVX2
+    to PANEL_MAX_ROWS_AVX2; none for bfloat16 on AVX-512 without BF16) and
     then no GEMV; else the GEMV's AVX-512 path to its measured crossover with oneDNN beside a packed
     weight, otherwise to the GEMV's limit."""
     from meshserve.layers import cpu_gemm
@@ -574,7 +574,7 @@ def _small_row_limits(dtype, packing: bool) -> tuple[int, int]:
             panel = cpu_gemm.PANEL_MAX_ROWS_AMX_TILES
         else:
             panel = cpu_gemm.PANEL_MAX_ROWS_AMX if packing and "amx_bf16" in cpu_flags() else cpu_gemm.PANEL_MAX_ROWS
-    elif dtype == torch.float32 and {"avx2", "fma"} <= cpu_flags():
+    elif not avx512 and {"avx2", "fma"} <= cpu_flags():  # bfloat16 widened to float32 in registers
         panel = cpu_gemm.PANEL_MAX_ROWS_AVX2
     else:
         panel = 0
@@ -653,7 +653,7 @@ def test_bf16_packed_linear_takes_every_row_count(rows, packing, monkeypatch, is
         out = lin(x)
     # a few rows take the panels or stream the weight as stored (_small_row_limits); oneDNN sees
     # more rows padded to whole AMX tiles (one primitive per 16 rows, not per row count); a CPU
-    # that cannot pack bf16 (AVX2 only) runs F.linear past the GEMV
+    # that cannot pack bf16 (AVX2 only) runs F.linear in float32 past the panels
     panel, most = _small_row_limits(torch.bfloat16, packing)
     assert (lin._panels is not None) == (panel > 0)
     assert paneled == ([rows] if rows <= panel else [])
