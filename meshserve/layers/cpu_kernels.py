@@ -60,7 +60,7 @@ _FUNCTIONS = ["paged_decode", "rms_norm", "silu_and_mul", "rotary_", "argmax_row
               "decoder_stack", "allow_avx512", "allow_amx", "panel_gemm", "panel_argmax", "panel_argmax_usable",
               "panel_usable", "panel_isa", "panel_bf16_isa",
               "qgemv", "qmatmul", "qdequantize", "quant_isa", "set_quant_isa", "prefill_causal",
-              "prefill_causal_usable"]
+              "prefill_causal_usable", "fused_decode_steps"]
 
 _lock = threading.Lock()
 _module = None
@@ -330,3 +330,9 @@ def qdequantize(data: torch.Tensor, block_type: int, k: int, row_scale: torch.Te
 def decoder_stack(*args):
     """A stage's dense decoder layers in one call; see cpu_decoder_stack.CPUDecoderStack."""
     return _kernels().decoder_stack(*args)
+
+
+def fused_decode_steps() -> int:
+    """How many decode steps decoder_stack ran in one parallel region (all layers, the weight
+    panels) since the process started."""
+    return _kernels().fused_decode_steps() if available() else 0

@@ -6,7 +6,7 @@ import pytest
 import torch
 from tiny_model import tiny_runner
 
-from meshserve.layers import cpu_kernels
+from meshserve.layers import cpu_gemm, cpu_kernels
 from meshserve.layers.attention import create_backend
 from meshserve.models.cpu_decoder_stack import CPUDecoderStack
 from meshserve.models.llama import LlamaAttention, LlamaMLP
@@ -19,7 +19,8 @@ BLOCK = 8
 def _steps() -> list[StepInput]:
     """Sequences 0 and 1: 12-token prompts (one batched attention call), 2: a 7-token prompt, then
     its next 6 tokens as a chunk over the cache alongside decodes of 0 and 1, then a 3-token prompt
-    joining three decodes, then two decodes alone (fewer rows than the packed matmuls take)."""
+    joining three decodes, then steps of decodes alone (fewer rows than the packed matmuls take: the
+    weight panels, all layers in one parallel region where the panels run)."""
     toks = lambda n, base: [(base + 7 * i) % 100 + 1 for i in range(n)]  # noqa: E731
     tables = {0: [0, 1], 1: [2, 3], 2: [4, 5], 3: [6]}
     return [
@@ -30,14 +31,23 @@ def _steps() -> list[StepInput]:
         StepInput([SeqStep(3, toks(3, 5), 0, tables[3], True), SeqStep(0, [7], 13, tables[0], True),
                    SeqStep(1, [8], 13, tables[1], True), SeqStep(2, [9], 13, tables[2], True)]),
         StepInput([SeqStep(0, [10], 14, tables[0], True), SeqStep(3, [11], 3, tables[3], True)]),  # unpacked rows
+        StepInput([SeqStep(0, [12], 15, tables[0], True), SeqStep(1, [13], 14, tables[1], True),
+                   SeqStep(2, [14], 14, tables[2], True), SeqStep(3, [15], 4, tables[3], True)]),
+        StepInput([SeqStep(3, [16], 5, tables[3], True)]),  # batch 1
+        StepInput([SeqStep(1, [17], 15, tables[1], True), SeqStep(2, [18], 15, tables[2], True),
+                   SeqStep(3, [19], 6, tables[3], True)]),  # more sequences on one thread than the other
     ]
+
+
+def _decodes_only(step: StepInput) -> bool:
+    return all(len(s.token_ids) == 1 and s.start > 0 for s in step.seqs)
 
 
 # Head size 32 (hidden 128): bfloat16 prompts take the AMX prompt kernel where the CPU has it.
 @pytest.mark.parametrize("config,dtype", [({}, "float32"), ({"attention_bias": True}, "float32"),
                                           ({"num_key_value_heads": 4}, "float32"), ({}, "bfloat16"),
                                           ({"attention_bias": True}, "bfloat16"), ({"hidden_size": 128}, "bfloat16")])
-def test_stack_equals_module_path_bit_for_bit(tmp_path, config, dtype):
+def test_stack_equals_module_path_bit_for_bit(tmp_path, config, dtype, isa):
     assert cpu_kernels.available()
     runner = tiny_runner(tmp_path, block_size=BLOCK, config=config, dtype=dtype)
     if "hidden_size" in config:
@@ -52,6 +62,7 @@ def test_stack_equals_module_path_bit_for_bit(tmp_path, config, dtype):
     shape = (2, 8, BLOCK, runner.num_kv_heads, runner.head_dim)
     fast_caches = [torch.zeros(shape, dtype=getattr(torch, dtype)) for _ in model.layers]
     plain_caches = [c.clone() for c in fast_caches]
+    fused = cpu_kernels.fused_decode_steps()
     with torch.inference_mode():
         for step in _steps():
             ids, positions, meta = runner.attn_backend.build_inputs(pack_step(step, BLOCK))
@@ -63,6 +74,24 @@ def test_stack_equals_module_path_bit_for_bit(tmp_path, config, dtype):
             for a, b in zip(fast_caches, plain_caches):
                 assert torch.equal(a, b)
     assert fast.abs().sum() > 0
+    # every decode-only step took the one-region loop wherever this CPU runs the panels
+    decode_steps = sum(map(_decodes_only, _steps())) if cpu_gemm.panel_max_rows(getattr(torch, dtype)) else 0
+    assert cpu_kernels.fused_decode_steps() - fused == decode_steps
+
+
+def test_a_bad_decode_step_is_refused_before_the_threads_start(tmp_path):
+    """A slot outside the cache is an error the caller sees (the step fails), never a write out of
+    bounds or an exception inside the parallel region (which would end the process)."""
+    runner = tiny_runner(tmp_path, block_size=BLOCK)
+    model = runner.model
+    assert model.cpu_stack is not None and cpu_gemm.panel_max_rows(torch.float32) > 0
+    shape = (2, 8, BLOCK, runner.num_kv_heads, runner.head_dim)
+    caches = [torch.zeros(shape) for _ in model.layers]
+    ids, positions, meta = runner.attn_backend.build_inputs(pack_step(_steps()[-2], BLOCK))
+    meta.slot_mapping[0] = 8 * BLOCK  # one past the last slot
+    with torch.inference_mode(), pytest.raises(RuntimeError, match="out of range"):
+        model(ids, positions, caches, meta)
+    assert all(c.abs().sum() == 0 for c in caches)  # nothing was written before the refusal
 
 
 def test_layers_it_cannot_run_keep_the_module_path(tmp_path):

@@ -46,6 +46,18 @@ inline bf16 store<bf16>(float v) {  // round to nearest even, as torch does; NaN
 // run(begin, threads) is the length of the run that starts at begin. at::parallel_for splits a
 // range once, in equal parts; on memory-bound work the cores finish theirs at different times
 // (they share the memory bus unevenly, and with other machines' work) and the first one waits.
+// One thread's share: runs taken from `next` until none of [0, n) is left.
+template <typename Run, typename Body>
+static void take_runs(std::atomic<int64_t>& next, int64_t n, int64_t threads, const Run& run, const Body& body) {
+  for (int64_t begin = next.load(std::memory_order_relaxed); begin < n;) {
+    const int64_t end = std::min(n, begin + std::max<int64_t>(1, run(begin, threads)));
+    if (next.compare_exchange_weak(begin, end, std::memory_order_relaxed)) {  // else begin is reread
+      body(begin, end);
+      begin = next.load(std::memory_order_relaxed);
+    }
+  }
+}
+
 template <typename Run, typename Body>
 static void parallel_runs(int64_t n, const Run& run, const Body& body) {
   const int64_t threads = at::get_num_threads();
@@ -54,15 +66,7 @@ static void parallel_runs(int64_t n, const Run& run, const Body& body) {
     return;
   }
   std::atomic<int64_t> next{0};
-  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-    for (int64_t begin = next.load(std::memory_order_relaxed); begin < n;) {
-      const int64_t end = std::min(n, begin + std::max<int64_t>(1, run(begin, threads)));
-      if (next.compare_exchange_weak(begin, end, std::memory_order_relaxed)) {  // else begin is reread
-        body(begin, end);
-        begin = next.load(std::memory_order_relaxed);
-      }
-    }
-  });
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) { take_runs(next, n, threads, run, body); });
 }
 
 // About eight equal chunks a thread, of at least `grain` items (decode attention: sequences; the
@@ -83,9 +87,13 @@ static void parallel_chunks(int64_t n, const Body& body, int64_t grain = 1) {
 // runs are single items, so neither thread waits long for the other. The weight panels measured
 // 1.03-1.24x faster this way than in parallel_chunks' chunks (1 to 64 rows, both dtypes);
 // decode attention measured no faster and keeps those.
+static auto guided_runs(int64_t n) {
+  return [n](int64_t begin, int64_t threads) { return (n - begin) / threads; };
+}
+
 template <typename Body>
 static void parallel_guided(int64_t n, const Body& body) {
-  parallel_runs(n, [n](int64_t begin, int64_t threads) { return (n - begin) / threads; }, body);
+  parallel_runs(n, guided_runs(n), body);
 }
 
 // Calls body(T{}) with T the element type of x: float or bfloat16.
@@ -168,6 +176,19 @@ AVX512 static void rms_norm_row_avx512(const T* xr, const T* wp, T* rr, T* o, in
   rms_norm_row(xr, wp, rr, o, H, eps);
 }
 
+// Rows begin..end of rms_norm (rp: the residual, or null; out's rows H values apart).
+template <typename T>
+static void rms_norm_rows(const T* xp, int64_t xstride, const T* wp, T* rp, int64_t rstride, T* op, int64_t begin,
+                          int64_t end, int64_t H, double eps) {
+  const bool wide = cpu_has_avx512();
+  const float feps = static_cast<float>(eps);
+  for (int64_t t = begin; t < end; ++t) {
+    T* rr = rp ? rp + t * rstride : nullptr;
+    if (wide) rms_norm_row_avx512(xp + t * xstride, wp, rr, op + t * H, H, feps);
+    else rms_norm_row(xp + t * xstride, wp, rr, op + t * H, H, feps);
+  }
+}
+
 // out = weight * (x / rms(x)); with a residual, x + residual is normalised and also written back
 // into residual (the stream the next sub-layer adds to). In bfloat16 the roundings are those of
 // the usual formula: the sum is stored, x / rms(x) is rounded before the weight multiplies it.
@@ -183,20 +204,14 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, c10::optional<torc
   }
   auto out = torch::empty({T_, H}, x.options());
   const int64_t xstride = x.stride(0);
-  const float feps = static_cast<float>(eps);
   dispatch(x, "rms_norm", [&](auto tag) {
     using T = decltype(tag);
     T* rp = residual ? residual->data_ptr<T>() : nullptr;
     const T* xp = x.data_ptr<T>();
     const T* wp = weight.data_ptr<T>();
     T* op = out.data_ptr<T>();
-    const bool wide = cpu_has_avx512();
     parallel_chunks(T_, [&](int64_t begin, int64_t end) {
-      for (int64_t t = begin; t < end; ++t) {
-        T* rr = rp ? rp + t * rstride : nullptr;
-        if (wide) rms_norm_row_avx512(xp + t * xstride, wp, rr, op + t * H, H, feps);
-        else rms_norm_row(xp + t * xstride, wp, rr, op + t * H, H, feps);
-      }
+      rms_norm_rows(xp, xstride, wp, rp, rstride, op, begin, end, H, eps);
     }, 16);
   });
   return out;
@@ -256,6 +271,19 @@ AVX512 static void silu_and_mul_row_avx512(const bf16* g, const bf16* u, bf16* o
   if (i < I) silu_and_mul_row(g + i, u + i, o + i, e, I - i);
 }
 
+// Rows begin..end of silu_and_mul (gate_up rows `stride` values apart, out's I).
+template <typename T>
+static void silu_and_mul_rows(const T* gp, int64_t stride, T* op, int64_t begin, int64_t end, int64_t I) {
+  const bool wide = cpu_has_avx512();
+  thread_local std::vector<float> e;
+  e.resize(I);
+  for (int64_t t = begin; t < end; ++t) {
+    const T* g = gp + t * stride;
+    if (wide) silu_and_mul_row_avx512(g, g + I, op + t * I, e.data(), I);
+    else silu_and_mul_row(g, g + I, op + t * I, e.data(), I);
+  }
+}
+
 // gate_up: [T, 2I] (gate then up) -> silu(gate) * up: [T, I].
 torch::Tensor silu_and_mul(torch::Tensor gate_up) {
   check_rows(gate_up, "silu_and_mul");
@@ -267,17 +295,25 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up) {
     using T = decltype(tag);
     const T* gp = gate_up.data_ptr<T>();
     T* op = out.data_ptr<T>();
-    const bool wide = cpu_has_avx512();
-    parallel_chunks(T_, [&](int64_t begin, int64_t end) {
-      std::vector<float> e(I);
-      for (int64_t t = begin; t < end; ++t) {
-        const T* g = gp + t * stride;
-        if (wide) silu_and_mul_row_avx512(g, g + I, op + t * I, e.data(), I);
-        else silu_and_mul_row(g, g + I, op + t * I, e.data(), I);
-      }
-    }, 4);
+    parallel_chunks(T_, [&](int64_t begin, int64_t end) { silu_and_mul_rows(gp, stride, op, begin, end, I); }, 4);
   });
   return out;
+}
+
+// rotary_ of one row, c and s its position's rows of the tables.
+template <typename T>
+static inline void rotary_row(T* row, const float* c, const float* s, int64_t num_heads, int64_t head_dim) {
+  const int64_t half = head_dim / 2;
+  for (int64_t h = 0; h < num_heads; ++h) {
+    T* a = row + h * head_dim;
+    T* b = a + half;
+#pragma omp simd
+    for (int64_t i = 0; i < half; ++i) {
+      const float x1 = f32(a[i]), x2 = f32(b[i]);
+      a[i] = store<T>(x1 * c[i] - x2 * s[i]);
+      b[i] = store<T>(x2 * c[half + i] + x1 * s[half + i]);
+    }
+  }
 }
 
 // Rotates, in place, the first `num_heads` heads of each row of x ([T, >= num_heads * D], rows
@@ -290,7 +326,7 @@ void rotary_(torch::Tensor x, torch::Tensor positions, torch::Tensor cos, torch:
               sin.scalar_type() == at::kFloat && cos.size(1) == head_dim && sin.sizes() == cos.sizes());
   TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() && positions.numel() == x.size(0));
   TORCH_CHECK(x.size(1) >= num_heads * head_dim && head_dim % 2 == 0);
-  const int64_t T_ = x.size(0), half = head_dim / 2, stride = x.stride(0), max_pos = cos.size(0);
+  const int64_t T_ = x.size(0), stride = x.stride(0), max_pos = cos.size(0);
   const int64_t* pos = positions.data_ptr<int64_t>();
   for (int64_t t = 0; t < T_; ++t) TORCH_CHECK(pos[t] >= 0 && pos[t] < max_pos, "rotary_: position out of range");
   const float* cp = cos.data_ptr<float>();
@@ -299,20 +335,8 @@ void rotary_(torch::Tensor x, torch::Tensor positions, torch::Tensor cos, torch:
     using T = decltype(tag);
     T* xp = x.data_ptr<T>();
     parallel_chunks(T_, [&](int64_t begin, int64_t end) {
-      for (int64_t t = begin; t < end; ++t) {
-        const float* c = cp + pos[t] * head_dim;
-        const float* s = sp + pos[t] * head_dim;
-        for (int64_t h = 0; h < num_heads; ++h) {
-          T* a = xp + t * stride + h * head_dim;
-          T* b = a + half;
-#pragma omp simd
-          for (int64_t i = 0; i < half; ++i) {
-            const float x1 = f32(a[i]), x2 = f32(b[i]);
-            a[i] = store<T>(x1 * c[i] - x2 * s[i]);
-            b[i] = store<T>(x2 * c[half + i] + x1 * s[half + i]);
-          }
-        }
-      }
+      for (int64_t t = begin; t < end; ++t)
+        rotary_row(xp + t * stride, cp + pos[t] * head_dim, sp + pos[t] * head_dim, num_heads, head_dim);
     }, 16);
   });
 }

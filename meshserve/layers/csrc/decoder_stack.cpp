@@ -8,7 +8,11 @@
 // prefill_attention.cpp (prefill_causal).
 
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <omp.h>
 #include <pybind11/pybind11.h>
+
+#include <array>
+#include <exception>
 
 namespace {
 
@@ -172,6 +176,180 @@ torch::Tensor attention(const torch::Tensor& q, torch::Tensor k, torch::Tensor v
   return out;
 }
 
+
+// ---- decode steps in one parallel region ------------------------------------------------------------
+// A decode step of a few rows through the weight panels is a chain of small operators: per layer
+// four matmuls of 20-110 us at the memory's pace, and between them the attention and norms, rotary
+// and cache writes of a few microseconds. As separate calls every matmul opened and closed a
+// parallel region and every operator allocated its output: 0.5 ms of a 9 ms batch-1 step of the
+// embedded model's layers on a 2-core Zen 3. Here the threads stay in one region for all the layers:
+// one thread runs the row-wise operators into buffers made once per step (the others waiting at a
+// barrier), all of them take the panels from a shared counter, and each decodes the attention of
+// its share of the sequences. The operators are the same functions on the same values, so the bits
+// are the same.
+
+std::atomic<int64_t> fused_steps{0};
+
+// How many decode steps took the one-region loop since the process started (the tests' evidence).
+int64_t fused_decode_steps() { return fused_steps.load(); }
+
+const std::array<LayerWeight, 4> kMatmuls{kQKV, kO, kGateUp, kDown};
+
+// Whether the step is decodes only, each of its rows through the panels (as `linear` chooses them),
+// on a cache of the activations' dtype.
+bool fusable(const torch::Tensor& h, const std::vector<torch::Tensor>& weights,
+             const std::vector<torch::Tensor>& kv_caches, const StepAttention& s, const PackedRows& rows) {
+  const int64_t T = h.size(0);
+  if (!s.prefill_groups.empty() || s.num_prefill_tokens != 0 || !present(s.decode_tables) || T == 0 ||
+      T > rows.panel_max || s.decode_tables.size(0) != T || !h.is_contiguous())
+    return false;
+  const bool bfloat16 = h.scalar_type() == at::kBFloat16;
+  if (!bfloat16 && h.scalar_type() != at::kFloat) return false;
+  if (bfloat16 && T >= kAmxMinRows && cpu_has_amx_bf16()) return false;  // the tiles read x as stored
+  for (size_t layer = 0; layer < kv_caches.size(); ++layer) {
+    const torch::Tensor& cache = kv_caches[layer];
+    if (cache.scalar_type() != h.scalar_type() || !cache.is_contiguous() || cache.dim() != 5) return false;
+    for (const auto m : kMatmuls) {
+      const torch::Tensor* w = weights.data() + layer * kWeightsPerLayer + m;
+      if (!present(w[2]) || w[0].scalar_type() != h.scalar_type()) return false;
+    }
+  }
+  return true;
+}
+
+// What paged_decode, rotary_ and write_kv would refuse, refused before the region (an exception
+// thrown inside it cannot leave it).
+void check_decode_step(const torch::Tensor& positions, const torch::Tensor& cos, const torch::Tensor& slots,
+                       const torch::Tensor& tables, const torch::Tensor& lens, const torch::Tensor& cache,
+                       int64_t T) {
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() && positions.numel() == T);
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == T);
+  TORCH_CHECK(tables.scalar_type() == at::kLong && tables.is_contiguous() && lens.scalar_type() == at::kLong &&
+              lens.is_contiguous() && lens.numel() == T);
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  const int64_t* len = lens.data_ptr<int64_t>();
+  const int64_t* table = tables.data_ptr<int64_t>();
+  const int64_t blocks = cache.size(1), bs = cache.size(2), max_blocks = tables.size(1);
+  for (int64_t t = 0; t < T; ++t) {
+    TORCH_CHECK(pos[t] >= 0 && pos[t] < cos.size(0), "rotary_: position out of range");
+    TORCH_CHECK(slot[t] >= 0 && slot[t] < blocks * bs, "write_kv: slot ", slot[t], " out of range [0, ", blocks * bs, ")");
+    TORCH_CHECK(len[t] >= 1 && len[t] <= max_blocks * bs, "paged_decode: context length out of range");
+    for (int64_t i = 0; i < (len[t] + bs - 1) / bs; ++i)
+      TORCH_CHECK(table[t * max_blocks + i] >= 0 && table[t * max_blocks + i] < blocks,
+                  "paged_decode: block id out of range");
+  }
+}
+
+template <typename W>
+std::vector<torch::Tensor> decode_fused(const torch::Tensor& h, const std::vector<torch::Tensor>& weights,
+                                        const std::vector<torch::Tensor>& kv_caches, const torch::Tensor& positions,
+                                        const torch::Tensor& cos, const torch::Tensor& sin, const StepAttention& s,
+                                        int64_t H, int64_t KVH, int64_t D, double eps,
+                                        const std::vector<double>& kv_scales) {
+  const int64_t T = h.size(0), E = h.size(1), QKV = (H + 2 * KVH) * D;
+  const int64_t I = weights[kGateUp].size(0) / 2, kv_row = KVH * D;
+  for (size_t layer = 0; layer < kv_caches.size(); ++layer) {
+    const torch::Tensor* w = weights.data() + layer * kWeightsPerLayer;
+    const int64_t in[] = {E, H * D, E, I};
+    for (size_t i = 0; i < kMatmuls.size(); ++i) {
+      const torch::Tensor* m = w + kMatmuls[i];
+      const torch::Tensor bias = kMatmuls[i] == kQKV ? w[kQKVBias] : torch::Tensor();
+      check_panels(h.scalar_type(), in[i], m[2], m[0].size(0), present(bias) ? &bias : nullptr, "decoder_stack");
+    }
+    TORCH_CHECK(w[kQKV].size(0) == QKV && w[kO].size(0) == E && w[kGateUp].size(0) == 2 * I && w[kDown].size(0) == E,
+                "decoder_stack: weight shapes do not match the heads");
+    check_decode_step(positions, cos, s.slot_mapping, s.decode_tables, s.decode_lens, kv_caches[layer], T);
+  }
+  fused_steps.fetch_add(1);
+  auto residual = h.clone(), hn = torch::empty_like(h), out = torch::empty_like(h);
+  auto qkv = torch::empty({T, QKV}, h.options()), q = torch::empty({T, H, D}, h.options());
+  auto attn = torch::empty({T, H * D}, h.options()), gate_up = torch::empty({T, 2 * I}, h.options());
+  auto act = torch::empty({T, I}, h.options());
+  W *rp = residual.data_ptr<W>(), *hnp = hn.data_ptr<W>(), *op = out.data_ptr<W>(), *qkvp = qkv.data_ptr<W>();
+  W *qp = q.data_ptr<W>(), *ap = attn.data_ptr<W>(), *gup = gate_up.data_ptr<W>(), *actp = act.data_ptr<W>();
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const int64_t* slot = s.slot_mapping.data_ptr<int64_t>();
+  const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
+  const double scale = std::pow(static_cast<double>(D), -0.5);
+  const int threads = at::get_num_threads();
+  std::vector<uint32_t> xt;  // the next matmul's rows (panel_transpose), written by one thread
+  xt.reserve(T * 2 * ((std::max({E, H * D, I}) + 1) / 2));
+  std::atomic<int64_t> next{0};  // the next panel of the current matmul
+  std::exception_ptr failed;
+  // By every thread: its share of the panels of one matmul, after xt and next were set.
+  auto matmul = [&](const torch::Tensor* m, const torch::Tensor& bias, W* y) {
+    const int64_t N = m[0].size(0), P = (N + kPanelWidth - 1) / kPanelWidth;
+    const W* pp = m[2].data_ptr<W>();
+    const W* bp = present(bias) ? bias.data_ptr<W>() : nullptr;
+    const void* x = xt.data();
+    take_runs(next, P, threads, guided_runs(P), [&](int64_t p0, int64_t p1) {
+      panel_range(pp, x, T, m[0].size(1), bp, y, N, p0, p1, static_cast<PanelArgmax*>(nullptr));
+    });
+  };
+  auto rows_in = [&](const W* x, int64_t K) {  // one thread, before a barrier
+    panel_transpose(x, K, T, K, xt);
+    next.store(0, std::memory_order_relaxed);
+  };
+#pragma omp parallel num_threads(threads)
+  {
+    const int64_t team = omp_get_num_threads(), me = omp_get_thread_num();
+    const int64_t b0 = T * me / team, b1 = T * (me + 1) / team;  // this thread's sequences
+    for (size_t layer = 0; layer < kv_caches.size(); ++layer) {
+      const torch::Tensor* w = weights.data() + layer * kWeightsPerLayer;
+#pragma omp single
+      {
+        if (layer == 0) rms_norm_rows<W>(rp, E, w[kInputNorm].data_ptr<W>(), nullptr, 0, hnp, 0, T, E, eps);
+        else rms_norm_rows<W>(op, E, w[kInputNorm].data_ptr<W>(), rp, E, hnp, 0, T, E, eps);
+        rows_in(hnp, E);
+      }
+      matmul(w + kQKV, w[kQKVBias], qkvp);
+#pragma omp barrier
+      if (b0 < b1) {
+        const torch::Tensor& cache = kv_caches[layer];
+        W* kc = cache.data_ptr<W>();
+        W* vc = kc + cache.numel() / 2;
+        for (int64_t t = b0; t < b1; ++t) {
+          W* row = qkvp + t * QKV;
+          rotary_row(row, cp + pos[t] * D, sp + pos[t] * D, H + KVH, D);
+          std::memcpy(kc + slot[t] * kv_row, row + H * D, kv_row * sizeof(W));
+          std::memcpy(vc + slot[t] * kv_row, row + (H + KVH) * D, kv_row * sizeof(W));
+          std::memcpy(qp + t * H * D, row, H * D * sizeof(W));
+        }
+        try {  // checked before the region: nothing is expected to throw here
+          auto o = paged_decode(q.slice(0, b0, b1), cache[0], cache[1], s.decode_tables.slice(0, b0, b1),
+                                s.decode_lens.slice(0, b0, b1), scale, kv_scales[2 * layer], kv_scales[2 * layer + 1]);
+          std::memcpy(ap + b0 * H * D, o.data_ptr<W>(), (b1 - b0) * H * D * sizeof(W));
+        } catch (...) {
+#pragma omp critical
+          if (!failed) failed = std::current_exception();
+        }
+      }
+#pragma omp barrier
+#pragma omp single
+      rows_in(ap, H * D);
+      matmul(w + kO, torch::Tensor(), op);
+#pragma omp barrier
+#pragma omp single
+      {
+        rms_norm_rows<W>(op, E, w[kPostNorm].data_ptr<W>(), rp, E, hnp, 0, T, E, eps);
+        rows_in(hnp, E);
+      }
+      matmul(w + kGateUp, torch::Tensor(), gup);
+#pragma omp barrier
+#pragma omp single
+      {
+        silu_and_mul_rows<W>(gup, 2 * I, actp, 0, T, I);
+        rows_in(actp, I);
+      }
+      matmul(w + kDown, torch::Tensor(), op);
+#pragma omp barrier
+    }
+  }
+  if (failed) std::rethrow_exception(failed);
+  return {out, residual};
+}
+
 }  // namespace
 
 // Runs the layers on the stage's input h (the whole hidden state); returns {h, residual} as
@@ -201,6 +379,13 @@ std::vector<torch::Tensor> decoder_stack(torch::Tensor h, std::vector<torch::Ten
   // gemv and panel_gemm take any row count: no padding for oneDNN
   if (T <= std::max(gemv_max_rows, panel_max_rows)) row_multiple = 1;
   const int64_t rows = (T + row_multiple - 1) / row_multiple * row_multiple;
+  if (rows == T && fusable(h, weights, kv_caches, step, packed_rows)) {
+    std::vector<torch::Tensor> out;
+    dispatch(h, "decoder_stack", [&](auto tag) {
+      out = decode_fused<decltype(tag)>(h, weights, kv_caches, positions, cos, sin, step, H, KVH, D, eps, kv_scales);
+    });
+    return out;
+  }
   if (rows != T) h = at::constant_pad_nd(h, {0, 0, 0, rows - T});
   torch::Tensor residual;
   for (size_t layer = 0; layer < kv_caches.size(); ++layer) {

@@ -415,6 +415,74 @@ bool panel_argmax_usable(bool bfloat16) { return bfloat16 ? cpu_has_avx512_bf16(
 // Which kernel panel_gemm takes now for float32 weights ("avx512" or "avx2"; "" where none).
 std::string panel_isa() { return cpu_has_avx512() ? "avx512" : (kPanelAvx2 ? "avx2" : ""); }
 
+// x's M rows (ldr values apart) as the register blocks read them, into scratch: transposed, [K][M]
+// float32 or [K/2][M] bfloat16 pairs, and on AVX2 [2 * K2][M] float32 whatever the dtype; each k's
+// rows side by side, so a register block broadcasts them from one cache line.
+template <typename W>
+static void panel_transpose(const W* xp, int64_t ldr, int64_t M, int64_t K, std::vector<uint32_t>& scratch) {
+  constexpr bool bfloat16 = std::is_same_v<W, bf16>;
+  const int64_t K2 = (K + 1) / 2;
+  const bool widened = bfloat16 && !cpu_has_avx512();
+  scratch.assign((widened ? 2 * K2 : (bfloat16 ? K2 : K)) * M, 0u);
+  if constexpr (bfloat16) {
+    if (!widened) {
+      auto* half = reinterpret_cast<uint16_t*>(scratch.data());  // little-endian: k even in the low half
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t k = 0; k < K; ++k) half[((k / 2) * M + m) * 2 + (k & 1)] = xp[m * ldr + k].x;
+      return;
+    }
+  }
+  auto* xt = reinterpret_cast<float*>(scratch.data());
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t k = 0; k < K; ++k) xt[k * M + m] = f32(xp[m * ldr + k]);
+}
+
+// Panels p0..p1 of a weight (pp: pack_panels(weight), K inputs, N outputs, bias bp or null) against
+// M rows of x as panel_transpose leaves them (xt): into yp ([M, N]), or with yp null into state
+// (panel_argmax).
+template <typename W>
+static void panel_range(const W* pp, const void* xt, int64_t M, int64_t K, const W* bp, W* yp, int64_t N,
+                        int64_t p0, int64_t p1, PanelArgmax* state) {
+  constexpr bool bfloat16 = std::is_same_v<W, bf16>;
+  const int64_t K2 = (K + 1) / 2;
+  const int64_t panel_values = bfloat16 ? K2 * 2 * kPanelWidth : K * kPanelWidth;
+  // Row blocks of near-equal size (12 rows: two of 6, not 8 and 4).
+  const int64_t blocks = (M + kPanelRows - 1) / kPanelRows;
+  const bool avx2 = !cpu_has_avx512();
+  thread_local std::vector<float> vals;  // the panel's outputs for the argmax: [M][48]
+  if (!yp) vals.resize(M * kPanelWidth);
+  for (int64_t p = p0; p < p1; ++p) {
+#if defined(__AVX2__) && defined(__FMA__)
+    if (avx2) {
+      panel_avx2(pp + p * panel_values, static_cast<const float*>(xt), M, bfloat16 ? K2 : K, bp, yp, N,
+                 p * kPanelWidth);
+      continue;
+    }
+#endif
+    for (int64_t b = 0, m0 = 0; b < blocks; ++b) {
+      const int64_t rows = M / blocks + (b < M % blocks ? 1 : 0);
+      panel_group<W>(pp + p * panel_values, xt, M, K, bp, yp, N, m0, rows, p * kPanelWidth, vals.data());
+      m0 += rows;
+    }
+    if (!yp) panel_argmax_update(vals.data(), M, std::min(kPanelWidth, N - p * kPanelWidth), p * kPanelWidth, 0, *state);
+  }
+}
+
+// panels (and bias, or null) are what panel_range needs for N outputs of K inputs in dtype.
+static void check_panels(at::ScalarType dtype, int64_t K, const torch::Tensor& panels, int64_t N,
+                         const torch::Tensor* bias, const char* name) {
+  const int64_t P = (N + kPanelWidth - 1) / kPanelWidth, K2 = (K + 1) / 2;
+  TORCH_CHECK(panels.is_contiguous() && panels.scalar_type() == dtype && N > 0 && panels.size(0) >= P,
+              name, ": panels must be pack_panels(weight) of x's dtype for at least ", N, " outputs");
+  TORCH_CHECK(dtype == at::kBFloat16
+                  ? (panels.dim() == 4 && panels.size(1) == K2 && panels.size(2) == kPanelWidth && panels.size(3) == 2)
+                  : (panels.dim() == 3 && panels.size(1) == K && panels.size(2) == kPanelWidth),
+              name, ": x has ", K, " columns, not the inputs its panels were packed for");
+  if (bias)
+    TORCH_CHECK(bias->is_contiguous() && bias->numel() >= N && bias->scalar_type() == dtype,
+                name, ": bias of at least N values of x's dtype");
+}
+
 // x's rows against the first N outputs of the panels (cpu_kernels.pack_panels(weight): [P, K, 48]
 // float32 or [P, ceil(K/2), 48, 2] bfloat16, outputs past the weight's rows zero) plus the bias:
 // into y ([M, N], rounded once to x's dtype), or with y null into each thread's argmax (states).
@@ -423,70 +491,24 @@ static void panel_run(const torch::Tensor& x, const torch::Tensor& panels, int64
                       const char* name) {
   check_rows(x, name);
   const bool bfloat16 = x.scalar_type() == at::kBFloat16;
-  const int64_t M = x.size(0), K = x.size(1), P = (N + kPanelWidth - 1) / kPanelWidth, K2 = (K + 1) / 2;
-  TORCH_CHECK(panels.is_contiguous() && panels.scalar_type() == x.scalar_type() && N > 0 && panels.size(0) >= P,
-              name, ": panels must be pack_panels(weight) of x's dtype for at least ", N, " outputs");
-  TORCH_CHECK(bfloat16 ? (panels.dim() == 4 && panels.size(1) == K2 && panels.size(2) == kPanelWidth && panels.size(3) == 2)
-                       : (panels.dim() == 3 && panels.size(1) == K && panels.size(2) == kPanelWidth),
-              name, ": x has ", K, " columns, not the inputs its panels were packed for");
-  if (bias)
-    TORCH_CHECK(bias->is_contiguous() && bias->numel() >= N && bias->scalar_type() == x.scalar_type(),
-                name, ": bias of at least N values of x's dtype");
+  const int64_t M = x.size(0), K = x.size(1), P = (N + kPanelWidth - 1) / kPanelWidth;
+  check_panels(x.scalar_type(), K, panels, N, bias ? &*bias : nullptr, name);
   if (M == 0) return;
   if (bfloat16 && M >= kAmxMinRows && cpu_has_amx_bf16()) {
     panel_gemm_amx(x.data_ptr<bf16>(), x.stride(0), M, K, panels.data_ptr<bf16>(), P,
                    bias ? bias->data_ptr<bf16>() : nullptr, y ? y->data_ptr<bf16>() : nullptr, N, states);
     return;
   }
-  // x transposed ([K][M] float32, or [K/2][M] bfloat16 pairs; on AVX2 [2 * K2][M] float32 whatever
-  // the dtype): each k's rows side by side, so a register block broadcasts them from one cache line.
   thread_local std::vector<uint32_t> scratch;
-  const int64_t ldx = M, ldr = x.stride(0);
-  const bool avx2 = !cpu_has_avx512();
-  const bool widened = bfloat16 && avx2;
-  scratch.assign((widened ? 2 * K2 : (bfloat16 ? K2 : K)) * M, 0u);
   dispatch(x, name, [&](auto tag) {
     using W = decltype(tag);
-    const W* xp = x.data_ptr<W>();
-    if constexpr (std::is_same_v<W, bf16>) {
-      if (!widened) {
-        auto* half = reinterpret_cast<uint16_t*>(scratch.data());  // little-endian: k even in the low half
-        for (int64_t m = 0; m < M; ++m)
-          for (int64_t k = 0; k < K; ++k) half[((k / 2) * ldx + m) * 2 + (k & 1)] = xp[m * ldr + k].x;
-      }
-    }
-    if (!bfloat16 || widened) {
-      auto* xt = reinterpret_cast<float*>(scratch.data());
-      for (int64_t m = 0; m < M; ++m)
-        for (int64_t k = 0; k < K; ++k) xt[k * ldx + m] = f32(xp[m * ldr + k]);
-    }
+    panel_transpose(x.data_ptr<W>(), x.stride(0), M, K, scratch);
+    const void* xt = scratch.data();  // the caller's: the workers' thread_local scratch is their own
     const W* pp = panels.data_ptr<W>();
     const W* bp = bias ? bias->data_ptr<W>() : nullptr;
     W* yp = y ? y->data_ptr<W>() : nullptr;
-    const void* xt = scratch.data();
-    const int64_t panel_values = bfloat16 ? K2 * 2 * kPanelWidth : K * kPanelWidth;
-    // Row blocks of near-equal size (12 rows: two of 6, not 8 and 4).
-    const int64_t blocks = (M + kPanelRows - 1) / kPanelRows;
     parallel_guided(P, [&](int64_t p0, int64_t p1) {
-      thread_local std::vector<float> vals;  // the panel's outputs for the argmax: [M][48]
-      if (!yp) vals.resize(M * kPanelWidth);
-      for (int64_t p = p0; p < p1; ++p) {
-#if defined(__AVX2__) && defined(__FMA__)
-        if (avx2) {
-          panel_avx2(pp + p * panel_values, static_cast<const float*>(xt), M, bfloat16 ? K2 : K, bp, yp, N,
-                     p * kPanelWidth);
-          continue;
-        }
-#endif
-        for (int64_t b = 0, m0 = 0; b < blocks; ++b) {
-          const int64_t rows = M / blocks + (b < M % blocks ? 1 : 0);
-          panel_group<W>(pp + p * panel_values, xt, ldx, K, bp, yp, N, m0, rows, p * kPanelWidth, vals.data());
-          m0 += rows;
-        }
-        if (!yp)
-          panel_argmax_update(vals.data(), M, std::min(kPanelWidth, N - p * kPanelWidth), p * kPanelWidth, 0,
-                              (*states)[at::get_thread_num()]);
-      }
+      panel_range(pp, xt, M, K, bp, yp, N, p0, p1, states ? &(*states)[at::get_thread_num()] : nullptr);
     });
   });
 }
