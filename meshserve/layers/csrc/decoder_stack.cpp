@@ -219,9 +219,12 @@ bool fusable(const torch::Tensor& h, const std::vector<torch::Tensor>& weights,
 
 // What paged_decode, rotary_ and write_kv would refuse, refused before the region (an exception
 // thrown inside it cannot leave it).
-void check_decode_step(const torch::Tensor& positions, const torch::Tensor& cos, const torch::Tensor& slots,
-                       const torch::Tensor& tables, const torch::Tensor& lens, const torch::Tensor& cache,
-                       int64_t T) {
+void check_decode_step(const torch::Tensor& positions, const torch::Tensor& cos, const torch::Tensor& sin,
+                       const torch::Tensor& slots, const torch::Tensor& tables, const torch::Tensor& lens,
+                       const torch::Tensor& cache, int64_t T) {
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == at::kFloat &&
+              sin.scalar_type() == at::kFloat && cos.dim() == 2 && cos.size(1) == cache.size(4) &&
+              sin.sizes() == cos.sizes(), "rotary_: cos and sin must be float32 [positions, head_dim]");
   TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() && positions.numel() == T);
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == T);
   TORCH_CHECK(tables.scalar_type() == at::kLong && tables.is_contiguous() && lens.scalar_type() == at::kLong &&
@@ -259,7 +262,7 @@ std::vector<torch::Tensor> decode_fused(const torch::Tensor& h, const std::vecto
     }
     TORCH_CHECK(w[kQKV].size(0) == QKV && w[kO].size(0) == E && w[kGateUp].size(0) == 2 * I && w[kDown].size(0) == E,
                 "decoder_stack: weight shapes do not match the heads");
-    check_decode_step(positions, cos, s.slot_mapping, s.decode_tables, s.decode_lens, kv_caches[layer], T);
+    check_decode_step(positions, cos, sin, s.slot_mapping, s.decode_tables, s.decode_lens, kv_caches[layer], T);
   }
   fused_steps.fetch_add(1);
   auto residual = h.clone(), hn = torch::empty_like(h), out = torch::empty_like(h);
