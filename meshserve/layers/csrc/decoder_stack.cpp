@@ -262,8 +262,9 @@ std::vector<torch::Tensor> decode_fused(const torch::Tensor& h, const std::vecto
     }
     TORCH_CHECK(w[kQKV].size(0) == QKV && w[kO].size(0) == E && w[kGateUp].size(0) == 2 * I && w[kDown].size(0) == E,
                 "decoder_stack: weight shapes do not match the heads");
-    check_decode_step(positions, cos, sin, s.slot_mapping, s.decode_tables, s.decode_lens, kv_caches[layer], T);
+    TORCH_CHECK(kv_caches[layer].sizes() == kv_caches[0].sizes(), "decoder_stack: KV caches of one shape");
   }
+  check_decode_step(positions, cos, sin, s.slot_mapping, s.decode_tables, s.decode_lens, kv_caches[0], T);
   fused_steps.fetch_add(1);
   auto residual = h.clone(), hn = torch::empty_like(h), out = torch::empty_like(h);
   auto qkv = torch::empty({T, QKV}, h.options()), q = torch::empty({T, H, D}, h.options());
