@@ -47,8 +47,20 @@ def _decodes_only(step: StepInput) -> bool:
 @pytest.mark.parametrize("config,dtype", [({}, "float32"), ({"attention_bias": True}, "float32"),
                                           ({"num_key_value_heads": 4}, "float32"), ({}, "bfloat16"),
                                           ({"attention_bias": True}, "bfloat16"), ({"hidden_size": 128}, "bfloat16")])
-def test_stack_equals_module_path_bit_for_bit(tmp_path, config, dtype, isa):
+# 2 and 3 threads: a decode step's attention is shared out by KV head, one sequence's heads split
+# between threads (and, with 3, a thread left without any).
+@pytest.mark.parametrize("threads", [2, 3])
+def test_stack_equals_module_path_bit_for_bit(tmp_path, config, dtype, isa, threads):
     assert cpu_kernels.available()
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        _stack_equals_module_path(tmp_path, config, dtype)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _stack_equals_module_path(tmp_path, config, dtype):
     runner = tiny_runner(tmp_path, block_size=BLOCK, config=config, dtype=dtype)
     if "hidden_size" in config:
         q = torch.zeros(12, 4, runner.head_dim, dtype=torch.bfloat16)

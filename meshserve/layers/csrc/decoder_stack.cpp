@@ -251,7 +251,7 @@ std::vector<torch::Tensor> decode_fused(const torch::Tensor& h, const std::vecto
                                         int64_t H, int64_t KVH, int64_t D, double eps,
                                         const std::vector<double>& kv_scales) {
   const int64_t T = h.size(0), E = h.size(1), QKV = (H + 2 * KVH) * D;
-  const int64_t I = weights[kGateUp].size(0) / 2, kv_row = KVH * D;
+  const int64_t I = weights[kGateUp].size(0) / 2, kv_row = KVH * D, G = H / KVH;
   for (size_t layer = 0; layer < kv_caches.size(); ++layer) {
     const torch::Tensor* w = weights.data() + layer * kWeightsPerLayer;
     const int64_t in[] = {E, H * D, E, I};
@@ -277,6 +277,14 @@ std::vector<torch::Tensor> decode_fused(const torch::Tensor& h, const std::vecto
   const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
   const double scale = std::pow(static_cast<double>(D), -0.5);
   const int threads = at::get_num_threads();
+  // The step's attention in T x S items, S slices of each sequence's KV heads: one KV head a slice
+  // where decode_rows (paged_decode.cpp) takes part of a sequence's heads, so that one sequence
+  // is shared by the threads; else whole sequences (the AVX-512 kernels through paged_decode).
+  const bool by_heads = decode_takes_rows(h.scalar_type(), D);
+  const int64_t S = by_heads ? KVH : 1;
+  const int64_t* tables = s.decode_tables.data_ptr<int64_t>();
+  const int64_t* lens = s.decode_lens.data_ptr<int64_t>();
+  const int64_t bs = kv_caches[0].size(2), max_blocks = s.decode_tables.size(1);
   std::vector<uint32_t> xt;  // the next matmul's rows (panel_transpose), written by one thread
   xt.reserve(T * 2 * ((std::max({E, H * D, I}) + 1) / 2));
   std::atomic<int64_t> next{0};  // the next panel of the current matmul
@@ -298,7 +306,7 @@ std::vector<torch::Tensor> decode_fused(const torch::Tensor& h, const std::vecto
 #pragma omp parallel num_threads(threads)
   {
     const int64_t team = omp_get_num_threads(), me = omp_get_thread_num();
-    const int64_t b0 = T * me / team, b1 = T * (me + 1) / team;  // this thread's sequences
+    const int64_t i0 = T * S * me / team, i1 = T * S * (me + 1) / team;  // this thread's items
     for (size_t layer = 0; layer < kv_caches.size(); ++layer) {
       const torch::Tensor* w = weights.data() + layer * kWeightsPerLayer;
 #pragma omp single
@@ -309,18 +317,26 @@ std::vector<torch::Tensor> decode_fused(const torch::Tensor& h, const std::vecto
       }
       matmul(w + kQKV, w[kQKVBias], qkvp);
 #pragma omp barrier
-      if (b0 < b1) {
+      if (i0 < i1) {
         const torch::Tensor& cache = kv_caches[layer];
         W* kc = cache.data_ptr<W>();
         W* vc = kc + cache.numel() / 2;
+        const int64_t b0 = i0 / S, b1 = (i1 + S - 1) / S;  // the sequences this thread has heads of
         for (int64_t t = b0; t < b1; ++t) {
+          // its KV heads [g0, g1) of sequence t, and their query heads: rotated, K/V into the cache
+          const int64_t g0 = std::max<int64_t>(i0 - t * S, 0) * KVH / S, g1 = std::min(i1 - t * S, S) * KVH / S;
           W* row = qkvp + t * QKV;
-          rotary_row(row, cp + pos[t] * D, sp + pos[t] * D, H + KVH, D);
-          std::memcpy(kc + slot[t] * kv_row, row + H * D, kv_row * sizeof(W));
-          std::memcpy(vc + slot[t] * kv_row, row + (H + KVH) * D, kv_row * sizeof(W));
-          std::memcpy(qp + t * H * D, row, H * D * sizeof(W));
+          const float *c = cp + pos[t] * D, *sn = sp + pos[t] * D;
+          rotary_row(row + g0 * G * D, c, sn, (g1 - g0) * G, D);
+          rotary_row(row + (H + g0) * D, c, sn, g1 - g0, D);
+          std::memcpy(kc + slot[t] * kv_row + g0 * D, row + (H + g0) * D, (g1 - g0) * D * sizeof(W));
+          std::memcpy(vc + slot[t] * kv_row + g0 * D, row + (H + KVH + g0) * D, (g1 - g0) * D * sizeof(W));
+          std::memcpy(qp + (t * H + g0 * G) * D, row + g0 * G * D, (g1 - g0) * G * D * sizeof(W));
+          if (by_heads)
+            decode_rows(qp, kc, vc, ap, tables, lens, t, t + 1, g0, g1, H, D, KVH, bs, max_blocks,
+                        static_cast<float>(scale), 1.f);
         }
-        try {  // checked before the region: nothing is expected to throw here
+        if (!by_heads) try {  // checked before the region: nothing is expected to throw here
           auto o = paged_decode(q.slice(0, b0, b1), cache[0], cache[1], s.decode_tables.slice(0, b0, b1),
                                 s.decode_lens.slice(0, b0, b1), scale, kv_scales[2 * layer], kv_scales[2 * layer + 1]);
           std::memcpy(ap + b0 * H * D, o.data_ptr<W>(), (b1 - b0) * H * D * sizeof(W));

@@ -20,17 +20,21 @@ static inline float widen(float v) { return v; }
 static inline float widen(fp8e4m3 v) { return static_cast<float>(v); }
 static inline float widen(fp8e5m2 v) { return static_cast<float>(v); }
 
-// n elements of a cache block as the loops read them: float32 and fp8 blocks in place (fp8 widened
-// as it is read), bfloat16 blocks converted once into `scratch` so that every query head of a
-// group reads floats.
-static inline const float* block_values(const float* src, float*, int64_t) { return src; }
-static inline const float* block_values(const bf16* src, float* scratch, int64_t n) {
+// The n tokens of a cache block as the loops read them (`row` elements a token, of which they read
+// columns [c0, c1): the KV heads being computed on): float32 and fp8 blocks in place (fp8 widened
+// as it is read), bfloat16 columns converted once into `scratch` (at the same offsets) so that
+// every query head of a group reads floats.
+static inline const float* block_values(const float* src, float*, int64_t, int64_t, int64_t, int64_t) { return src; }
+static inline const float* block_values(const bf16* src, float* scratch, int64_t n, int64_t row, int64_t c0,
+                                        int64_t c1) {
+  for (int64_t j = 0; j < n; ++j) {
 #pragma omp simd
-  for (int64_t i = 0; i < n; ++i) scratch[i] = f32(src[i]);
+    for (int64_t i = j * row + c0; i < j * row + c1; ++i) scratch[i] = f32(src[i]);
+  }
   return scratch;
 }
 template <typename C, std::enable_if_t<is_fp8<C>, int> = 0>
-static inline const C* block_values(const C* src, float*, int64_t) { return src; }
+static inline const C* block_values(const C* src, float*, int64_t, int64_t, int64_t, int64_t) { return src; }
 
 #if defined(__AVX2__) && defined(__FMA__)
 // Eight consecutive cached values as float32.
@@ -161,90 +165,107 @@ static inline void softmax_rows(float* p, int64_t H, int64_t L, float* inv_sum) 
   }
 }
 
-// The decode attention proper; HD > 0 fixes the head size at compile time (fully unrolled inner
-// loops for the common sizes), HD == 0 takes it at run time. C: the cache's element type (T, or
-// fp8); fscale multiplies the scores (k_scale included), vscale the output.
+// The decode attention proper, of sequences [begin, end) and the query heads of KV heads [g0, g1),
+// on the calling thread; HD > 0 fixes the head size at compile time (fully unrolled inner loops
+// for the common sizes), HD == 0 takes it at run time. C: the cache's element type (T, or fp8);
+// fscale multiplies the scores (k_scale included), vscale the output. A head's output depends on
+// its query and its KV head only, so a split of the heads computes the same bits.
 template <int64_t HD, typename T, typename C>
-static void paged_decode_impl(const T* qp, const C* kp, const C* vp, T* op, const int64_t* tables,
-                              const int64_t* lens, int64_t B, int64_t H, int64_t D_rt, int64_t KVH, int64_t bs,
-                              int64_t max_blocks, float fscale, float vscale) {
+static void decode_rows_impl(const T* qp, const C* kp, const C* vp, T* op, const int64_t* tables,
+                             const int64_t* lens, int64_t begin, int64_t end, int64_t g0, int64_t g1, int64_t H,
+                             int64_t D_rt, int64_t KVH, int64_t bs, int64_t max_blocks, float fscale, float vscale) {
   const int64_t D = HD > 0 ? HD : D_rt;
   const int64_t G = H / KVH, row = KVH * D;  // query heads per KV head; floats per cached token
-  // One task per sequence, all heads at once, one cache block at a time: a block holds bs tokens'
-  // K (or V) rows for every KV head as one contiguous run, streamed in from memory once and then
-  // used by all query heads of each group from L1 (reading one KV head's slice per task instead
-  // measured about 2x slower, memory bound on the strided rows).
-  parallel_chunks(B, [&](int64_t begin, int64_t end) {
-    // p: [H, L] scores, then unnormalised probabilities; qb, ob: this sequence's query and output
-    std::vector<float> p, inv_sum(H), qb(H * D), ob(H * D), scratch(std::is_same_v<C, bf16> ? bs * row : 0);
-    for (int64_t b = begin; b < end; ++b) {
-      const int64_t L = lens[b];
-      const int64_t* table = tables + b * max_blocks;
-      for (int64_t i = 0; i < H * D; ++i) qb[i] = f32(qp[b * H * D + i]);
-      p.resize(H * L);
-      const C* first_v = vp + table[0] * bs * row;
-      const C* next_k = b + 1 < end ? kp + tables[(b + 1) * max_blocks] * bs * row : nullptr;
-      const int64_t next_k_rows = b + 1 < end ? std::min(bs, lens[b + 1]) : 0;
-      for (int64_t t0 = 0; t0 < L; t0 += bs) {
-        const int64_t n = std::min(bs, L - t0);
-        const auto* kb = block_values(kp + table[t0 / bs] * bs * row, scratch.data(), n * row);
-        for (int64_t h = 0; h < H; ++h) {
-          prefetch_next_block(kp, table, t0, L, bs, row, row, h, H, first_v, std::min(bs, L));
-          const float* qh = qb.data() + h * D;
-          const auto* kh = kb + (h / G) * D;
-          float* ph = p.data() + h * L + t0;
-          int64_t j0 = 0;
+  const int64_t h0 = g0 * G, h1 = g1 * G;
+  // p: [H, L] scores, then unnormalised probabilities; qb, ob: this sequence's query and output
+  std::vector<float> p, inv_sum(H), qb(H * D), ob(H * D), scratch(std::is_same_v<C, bf16> ? bs * row : 0);
+  for (int64_t b = begin; b < end; ++b) {
+    const int64_t L = lens[b];
+    const int64_t* table = tables + b * max_blocks;
+    for (int64_t i = h0 * D; i < h1 * D; ++i) qb[i] = f32(qp[b * H * D + i]);
+    p.resize(H * L);
+    const C* first_v = vp + table[0] * bs * row;
+    const C* next_k = b + 1 < end ? kp + tables[(b + 1) * max_blocks] * bs * row : nullptr;
+    const int64_t next_k_rows = b + 1 < end ? std::min(bs, lens[b + 1]) : 0;
+    for (int64_t t0 = 0; t0 < L; t0 += bs) {
+      const int64_t n = std::min(bs, L - t0);
+      const auto* kb = block_values(kp + table[t0 / bs] * bs * row, scratch.data(), n, row, g0 * D, g1 * D);
+      for (int64_t h = h0; h < h1; ++h) {
+        prefetch_next_block(kp, table, t0, L, bs, row, row, h, H, first_v, std::min(bs, L));
+        const float* qh = qb.data() + h * D;
+        const auto* kh = kb + (h / G) * D;
+        float* ph = p.data() + h * L + t0;
+        int64_t j0 = 0;
 #if defined(__AVX2__) && defined(__FMA__)
-          for (; j0 + 8 <= n; j0 += 8) dot8(qh, kh + j0 * row, row, D, fscale, ph + j0, 8);
-          if (j0 < n) dot8(qh, kh + j0 * row, row, D, fscale, ph + j0, n - j0);
-          j0 = n;
+        for (; j0 + 8 <= n; j0 += 8) dot8(qh, kh + j0 * row, row, D, fscale, ph + j0, 8);
+        if (j0 < n) dot8(qh, kh + j0 * row, row, D, fscale, ph + j0, n - j0);
+        j0 = n;
 #endif
-          for (int64_t j = j0; j < n; ++j) {
-            float acc = 0.f;
+        for (int64_t j = j0; j < n; ++j) {
+          float acc = 0.f;
 #pragma omp simd reduction(+ : acc)
-            for (int64_t i = 0; i < D; ++i) acc += qh[i] * widen(kh[j * row + i]);
-            ph[j] = acc * fscale;
-          }
+          for (int64_t i = 0; i < D; ++i) acc += qh[i] * widen(kh[j * row + i]);
+          ph[j] = acc * fscale;
         }
-      }
-      softmax_rows(p.data(), H, L, inv_sum.data());
-      std::fill(ob.begin(), ob.end(), 0.f);
-      for (int64_t t0 = 0; t0 < L; t0 += bs) {
-        const int64_t n = std::min(bs, L - t0);
-        const auto* vb = block_values(vp + table[t0 / bs] * bs * row, scratch.data(), n * row);
-        for (int64_t h = 0; h < H; ++h) {
-          prefetch_next_block(vp, table, t0, L, bs, row, row, h, H, next_k, next_k_rows);
-          const float* ph = p.data() + h * L + t0;
-          const auto* vh = vb + (h / G) * D;
-          float* oh = ob.data() + h * D;
-          int64_t i0 = 0;
-#if defined(__AVX2__) && defined(__FMA__)
-          for (; i0 + 64 <= D; i0 += 64) weighted_rows64(oh + i0, ph, vh + i0, row, n);
-#endif
-          // 16 output columns at a time, their accumulators held in registers across the
-          // block's tokens (a fixed-size inner loop the compiler unrolls and vectorises).
-          for (; i0 + 16 <= D; i0 += 16) {
-            float acc[16];
-            for (int64_t i = 0; i < 16; ++i) acc[i] = oh[i0 + i];
-            for (int64_t j = 0; j < n; ++j) {
-              const float w = ph[j];
-              const auto* v = vh + j * row + i0;
-#pragma omp simd
-              for (int64_t i = 0; i < 16; ++i) acc[i] += w * widen(v[i]);
-            }
-            for (int64_t i = 0; i < 16; ++i) oh[i0 + i] = acc[i];
-          }
-          for (; i0 < D; ++i0)
-            for (int64_t j = 0; j < n; ++j) oh[i0] += ph[j] * widen(vh[j * row + i0]);
-        }
-      }
-      T* out = op + b * H * D;
-      for (int64_t h = 0; h < H; ++h) {
-        const float w = inv_sum[h] * vscale;
-        for (int64_t i = 0; i < D; ++i) out[h * D + i] = store<T>(ob[h * D + i] * w);
       }
     }
-  });
+    softmax_rows(p.data() + h0 * L, h1 - h0, L, inv_sum.data() + h0);
+    std::fill(ob.begin() + h0 * D, ob.begin() + h1 * D, 0.f);
+    for (int64_t t0 = 0; t0 < L; t0 += bs) {
+      const int64_t n = std::min(bs, L - t0);
+      const auto* vb = block_values(vp + table[t0 / bs] * bs * row, scratch.data(), n, row, g0 * D, g1 * D);
+      for (int64_t h = h0; h < h1; ++h) {
+        prefetch_next_block(vp, table, t0, L, bs, row, row, h, H, next_k, next_k_rows);
+        const float* ph = p.data() + h * L + t0;
+        const auto* vh = vb + (h / G) * D;
+        float* oh = ob.data() + h * D;
+        int64_t i0 = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+        for (; i0 + 64 <= D; i0 += 64) weighted_rows64(oh + i0, ph, vh + i0, row, n);
+#endif
+        // 16 output columns at a time, their accumulators held in registers across the
+        // block's tokens (a fixed-size inner loop the compiler unrolls and vectorises).
+        for (; i0 + 16 <= D; i0 += 16) {
+          float acc[16];
+          for (int64_t i = 0; i < 16; ++i) acc[i] = oh[i0 + i];
+          for (int64_t j = 0; j < n; ++j) {
+            const float w = ph[j];
+            const auto* v = vh + j * row + i0;
+#pragma omp simd
+            for (int64_t i = 0; i < 16; ++i) acc[i] += w * widen(v[i]);
+          }
+          for (int64_t i = 0; i < 16; ++i) oh[i0 + i] = acc[i];
+        }
+        for (; i0 < D; ++i0)
+          for (int64_t j = 0; j < n; ++j) oh[i0] += ph[j] * widen(vh[j * row + i0]);
+      }
+    }
+    T* out = op + b * H * D;
+    for (int64_t h = h0; h < h1; ++h) {
+      const float w = inv_sum[h] * vscale;
+      for (int64_t i = 0; i < D; ++i) out[h * D + i] = store<T>(ob[h * D + i] * w);
+    }
+  }
+}
+
+// decode_rows_impl for the head size D.
+template <typename T, typename C>
+static void decode_rows(const T* qp, const C* kp, const C* vp, T* op, const int64_t* tables, const int64_t* lens,
+                        int64_t begin, int64_t end, int64_t g0, int64_t g1, int64_t H, int64_t D, int64_t KVH,
+                        int64_t bs, int64_t max_blocks, float fscale, float vscale) {
+  switch (D) {
+    case 64: return decode_rows_impl<64>(qp, kp, vp, op, tables, lens, begin, end, g0, g1, H, D, KVH, bs, max_blocks, fscale, vscale);
+    case 128: return decode_rows_impl<128>(qp, kp, vp, op, tables, lens, begin, end, g0, g1, H, D, KVH, bs, max_blocks, fscale, vscale);
+    default: return decode_rows_impl<0>(qp, kp, vp, op, tables, lens, begin, end, g0, g1, H, D, KVH, bs, max_blocks, fscale, vscale);
+  }
+}
+
+// Whether paged_decode computes a query (and cache) of this dtype and head size with decode_rows,
+// which can take part of a sequence's heads (decoder_stack.cpp's one-region loop splits a step's
+// heads among its threads); the AVX-512 kernels below take whole sequences.
+static bool decode_takes_rows(at::ScalarType dtype, int64_t D) {
+  if (D != 64 && D != 128) return true;
+  return dtype == at::kFloat ? !cpu_has_avx512() : !cpu_has_avx512_bf16();
 }
 
 // ---- bfloat16 on CPUs with AVX512-BF16 -------------------------------------------------------------
@@ -660,8 +681,18 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
                   "paged_decode: block id out of range");
   }
   auto out = torch::empty_like(q);
+  const float fscale = static_cast<float>(fp8 ? scale * k_scale : scale);
+  // One task a sequence, all its heads: a block holds bs tokens' K (or V) rows for every KV head as
+  // one contiguous run, streamed in from memory once and then used by all query heads of each group
+  // from L1 (one KV head's slice per task instead measured about 2x slower, memory bound on the
+  // strided rows).
+  auto every_sequence = [&](const auto* qp, const auto* kp, const auto* vp, auto* op, float vscale) {
+    parallel_chunks(B, [&](int64_t begin, int64_t end) {
+      decode_rows(qp, kp, vp, op, tables, lens, begin, end, 0, KVH, H, D, KVH, bs, max_blocks, fscale, vscale);
+    });
+  };
   if (fp8) {
-    const float fscale = static_cast<float>(scale * k_scale), vscale = static_cast<float>(v_scale);
+    const float vscale = static_cast<float>(v_scale);
     dispatch(q, "paged_decode", [&](auto tag) {
       using T = decltype(tag);
       const T* qp = q.data_ptr<T>();
@@ -675,17 +706,12 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
           else paged_decode_f32<8>(qp, kp, vp, op, tables, lens, B, H, KVH, bs, max_blocks, fscale, vscale);
           return;
         }
-        switch (D) {
-          case 64: paged_decode_impl<64>(qp, kp, vp, op, tables, lens, B, H, D, KVH, bs, max_blocks, fscale, vscale); break;
-          case 128: paged_decode_impl<128>(qp, kp, vp, op, tables, lens, B, H, D, KVH, bs, max_blocks, fscale, vscale); break;
-          default: paged_decode_impl<0>(qp, kp, vp, op, tables, lens, B, H, D, KVH, bs, max_blocks, fscale, vscale);
-        }
+        every_sequence(qp, kp, vp, op, vscale);
       });
     });
     return out;
   }
-  const float fscale = static_cast<float>(scale);
-  if (q.scalar_type() == at::kFloat && (D == 64 || D == 128) && cpu_has_avx512()) {
+  if (q.scalar_type() == at::kFloat && !decode_takes_rows(at::kFloat, D)) {
     const float* qp = q.data_ptr<float>();
     const float* kp = k_cache.data_ptr<float>();
     const float* vp = v_cache.data_ptr<float>();
@@ -694,7 +720,7 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
     else paged_decode_f32<8>(qp, kp, vp, op, tables, lens, B, H, KVH, bs, max_blocks, fscale, 1.f);
     return out;
   }
-  if (q.scalar_type() == at::kBFloat16 && (D == 64 || D == 128) && cpu_has_avx512_bf16()) {
+  if (q.scalar_type() == at::kBFloat16 && !decode_takes_rows(at::kBFloat16, D)) {
     const bf16* qp = q.data_ptr<bf16>();
     const bf16* kp = k_cache.data_ptr<bf16>();
     const bf16* vp = v_cache.data_ptr<bf16>();
@@ -709,12 +735,7 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
     const T* qp = q.data_ptr<T>();
     const T* kp = k_cache.data_ptr<T>();
     const T* vp = v_cache.data_ptr<T>();
-    T* op = out.data_ptr<T>();
-    switch (D) {
-      case 64: paged_decode_impl<64>(qp, kp, vp, op, tables, lens, B, H, D, KVH, bs, max_blocks, fscale, 1.f); break;
-      case 128: paged_decode_impl<128>(qp, kp, vp, op, tables, lens, B, H, D, KVH, bs, max_blocks, fscale, 1.f); break;
-      default: paged_decode_impl<0>(qp, kp, vp, op, tables, lens, B, H, D, KVH, bs, max_blocks, fscale, 1.f);
-    }
+    every_sequence(qp, kp, vp, out.data_ptr<T>(), 1.f);
   });
   return out;
 }
