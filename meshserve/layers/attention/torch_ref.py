@@ -38,7 +38,9 @@ class PrefillSeq:
 @dataclass(kw_only=True)
 class TorchAttentionMetadata(AttentionMetadata):
     prefills: list[PrefillSeq] = field(default_factory=list)
-    decode_mask: torch.Tensor | None = None  # [B, 1, 1, max_blocks * block_size] True = attend
+    # [B, 1, 1, max_blocks * block_size] True = attend: made at the first layer that reads the
+    # gathered blocks (the CPU backend's kernel reads the lengths instead, and never needs it)
+    decode_mask: torch.Tensor | None = None
 
 
 @register_backend
@@ -54,11 +56,9 @@ class TorchBackend(AttentionBackend):
         meta = self.metadata_type(backend=self, slot_mapping=to_device(packed.slot_mapping, long, device),
                                   prefills=prefills, num_prefill_tokens=packed.num_prefill_tokens)
         if packed.decode_context_lens:
-            tables, width = padded_tables(packed.decode_block_tables)
+            tables, _ = padded_tables(packed.decode_block_tables)
             lens = to_device(packed.decode_context_lens, long, device)
             meta.decode_block_tables = to_device(tables, long, device)
-            positions = torch.arange(width * self.spec.block_size, device=device)
-            meta.decode_mask = (positions[None, :] < lens[:, None])[:, None, None, :]
             meta.decode_context_lens = lens
         return ForwardInputs(to_device(packed.input_ids, long, device), to_device(packed.positions, long, device),
                              meta)
@@ -80,9 +80,13 @@ class TorchBackend(AttentionBackend):
         return _prefill_fresh(q, k, v, n)
 
     def _decode(self, q, k_cache, v_cache, meta: TorchAttentionMetadata, scales: KVScales) -> torch.Tensor:
-        """Only for a step with decodes, whose tables and mask build_inputs set together."""
-        assert meta.decode_block_tables is not None and meta.decode_mask is not None
-        return gathered_decode(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_mask, scales)
+        """Only for a step with decodes, whose tables and lengths build_inputs set together."""
+        tables, lens = meta.decode_block_tables, meta.decode_context_lens
+        assert tables is not None and lens is not None
+        if meta.decode_mask is None:
+            positions = torch.arange(tables.shape[1] * self.spec.block_size, device=lens.device)
+            meta.decode_mask = (positions[None, :] < lens[:, None])[:, None, None, :]
+        return gathered_decode(q, k_cache, v_cache, tables, meta.decode_mask, scales)
 
 
 def fresh_runs(prefills: list[PrefillSeq]) -> list[list[PrefillSeq]]:
