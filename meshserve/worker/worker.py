@@ -117,12 +117,14 @@ class Worker:
                 out, sample_rows = runner.forward(piece, hidden)
                 if not ps.is_last_stage:
                     self._inflight.append((ps.isend(out, self.next_rank), out))
+                elif sample_rows == list(range(out.shape[0])):  # a decode step: every row, no gather
+                    rows.append(out)
                 elif sample_rows:
                     rows.append(out[to_device(sample_rows, torch.long, out.device)])
             sampled, sample_s = None, 0.0
             if ps.is_last_stage:
                 t_sample = time.perf_counter()
-                sampled = runner.sample(step, torch.cat(rows) if rows else None)
+                sampled = runner.sample(step, rows[0] if len(rows) == 1 else torch.cat(rows) if rows else None)
                 sample_s = time.perf_counter() - t_sample
                 if sampled is not None:
                     self._last_sampled = dict(zip((s.seq_id for s in step.seqs if s.sample), sampled.token_ids))

@@ -184,9 +184,9 @@ torch::Tensor attention(const torch::Tensor& q, torch::Tensor k, torch::Tensor v
 // parallel region and every operator allocated its output: 0.5 ms of a 9 ms batch-1 step of the
 // embedded model's layers on a 2-core Zen 3. Here the threads stay in one region for all the layers:
 // one thread runs the row-wise operators into buffers made once per step (the others waiting at a
-// barrier), all of them take the panels from a shared counter, and each decodes the attention of
-// its share of the sequences. The operators are the same functions on the same values, so the bits
-// are the same.
+// barrier), all of them take the panels from a shared counter, and each decodes its share of the
+// attention (KV heads of sequences, so that one sequence's heads are shared too). The operators are
+// the same functions on the same values, so the bits are the same.
 
 std::atomic<int64_t> fused_steps{0};
 

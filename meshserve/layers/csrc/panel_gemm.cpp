@@ -94,10 +94,11 @@ constexpr int64_t kPanelVectorsAvx2 = kPanelWidth / 8;
 constexpr int64_t kPanelDepthAvx2 = 96;
 
 // How far ahead of its reads a one-pass bfloat16 stream asks for the weight, with PREFETCHNTA (a
-// hint to keep the stream out of the outer caches). On a 2-core Zen 3, batch-1 bfloat16 decode took
-// 0.92x the time with it (median of per-round ratios, 6 rounds, the variants alternating in one
-// process; 1 to 2 KB ahead alike, 2.5 KB and more less; the T0, T1 and T2 hints less), two rows
-// 0.86x. float32 panels, whose FMAs take no widening, ran 1.05x slower with it and do without.
+// hint to keep the stream out of the outer caches, where the step's host code lives). On a 2-core
+// Zen 3, batch-1 bfloat16 decode took 0.92-0.94x the time with it (medians of per-round ratios, the
+// variants alternating in one process; 1 to 2 KB ahead alike, 2.5 KB and more less; T0 as fast,
+// with the host code after it slower), two rows 0.87x. float32 panels, whose FMAs take no
+// widening, ran 1.05x slower with it and do without.
 constexpr int64_t kStreamAheadBf16 = 2048;
 
 // MR <= 2 rows of x (xt offset to the first) against k0..k1 of one panel, continuing the sums in
