@@ -36,6 +36,31 @@ def _workers(engine: psutil.Process) -> list[psutil.Process]:
     return [w for c in engine.children() for w in c.children()]
 
 
+def _cpu_seconds(procs: list[psutil.Process]) -> float:
+    total = 0.0
+    for p in procs:
+        try:
+            t = p.cpu_times()
+            total += t.user + t.system
+        except psutil.NoSuchProcess:
+            pass
+    return total
+
+
+def _computing(engines: list[psutil.Process], timeout: float = 60) -> psutil.Process:
+    """One of the engines whose TP workers are computing now (their CPU time grew over a tenth of a
+    second): a kill there lands on a request in flight, however fast the machine ends requests.
+    Idle workers block on their next step and take no CPU."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        before = [_cpu_seconds(_workers(e)) for e in engines]
+        time.sleep(0.1)
+        for e, was in zip(engines, before):
+            if _cpu_seconds(_workers(e)) > was:
+                return e
+    raise AssertionError(f"no engine computed anything for {timeout} s")
+
+
 def _one(client: httpx.Client, i: int) -> str:
     """One streamed request: "ok", or the typed error it ended with."""
     body = {"prompt": [1000 + i, 1001, 1002, 1003], "max_tokens": MAX_TOKENS, "temperature": 0,
@@ -160,11 +185,13 @@ def test_killed_engine_and_killed_worker_under_load(chaos_model):
         assert len(engines) == 2 and all(len(_workers(e)) == 2 for e in engines), server.log_tail()
         outcomes, recovery, kills = [], [], 0
         # SIGKILL, as the OOM killer would: an engine process, then a TP worker of an engine.
-        for victim in (lambda: _engines(server.pid)[0], lambda: _workers(_engines(server.pid)[-1])[1]):
-            # Two requests done: with one seat per replica and four clients, both replicas usually
-            # hold a running and a waiting request; but a kill can fall in the instant between one
-            # request's end on the victim and the next one's dispatch, hitting nothing. Such a phase
-            # (every request ok) proves nothing either way, so the kill is repeated.
+        for victim in (lambda: _computing(_engines(server.pid)),
+                       lambda: _workers(_computing(_engines(server.pid)))[1]):
+            # Two requests done, then the victim taken from a replica that is computing: with one
+            # seat per replica and four clients both usually hold work, but the router may leave
+            # one idle, and a kill can still fall in the instant between one request's end and the
+            # next one's dispatch, hitting nothing. Such a phase (every request ok) proves nothing
+            # either way, so the kill is repeated.
             for _ in range(3):
                 load = Load(server.url)
                 load.wait_outcomes(2)
