@@ -25,8 +25,9 @@ dtype that is not packed here keeps the GEMV to its limit (cpu_kernels.GEMV_MAX_
 From there on MKL's sgemm, which `F.linear` calls, packs panels of the weight on every call, work
 that a few dozen rows cannot amortise; oneDNN reads a weight packed once into its own blocked
 layout. On an Intel CPU, from a few hundred rows on (prefill chunks), MKL amortises its packing and
-is as fast, so those keep `F.linear`; elsewhere float32 takes oneDNN at every row count
-(PACKED_MAX_ROWS_INTEL). Where the GEMV cannot run (no kernels built), decode rows take oneDNN from
+is as fast, so those keep `F.linear` (PACKED_MAX_ROWS_INTEL); where oneDNN has AVX2 kernels only,
+MKL is faster from about a thousand rows (PACKED_MAX_ROWS_AVX2); elsewhere float32 takes oneDNN
+at every row count. Where the GEMV cannot run (no kernels built), decode rows take oneDNN from
 PACKED_MIN_ROWS (its per-call setup outweighs its gain on a decoder layer below that).
 The packed copy costs one more copy of each linear weight in host memory.
 In bfloat16, `F.linear` reorders the weight on every call and oneDNN runs on AMX tiles where the
@@ -56,13 +57,19 @@ import torch.nn.functional as F
 from meshserve.layers import cpu_kernels
 from meshserve.layers.quantization.matmul import QuantizedMatmul
 from meshserve.utils import huge_pages
-from meshserve.utils.cpuinfo import cpu_bf16_matmul_isa, cpu_vendor, onednn_packs_bf16
+from meshserve.utils.cpuinfo import cpu_bf16_matmul_isa, cpu_flags, cpu_vendor, onednn_allows, onednn_packs_bf16
 
 # MKL's sgemm, which F.linear calls, takes its fastest paths on Intel CPUs: there it matches oneDNN's
 # packed weight from a few hundred rows (the crossover measured between 150 and 250 rows on two
 # Xeons) without oneDNN's first call per new row count. Elsewhere oneDNN was faster at every row
 # count measured (1.2-1.4x from 4 to 1024 float32 rows on a Zen 4 EPYC, benchmarks/small_m_gemm.py).
 PACKED_MAX_ROWS_INTEL = 128
+# Where oneDNN's float32 kernels are AVX2 (no AVX-512, or oneDNN capped below it), MKL's sgemm
+# overtakes them on steps of a thousand rows and more (prompt chunks of an offline batch or a burst):
+# on a Zen 3 EPYC, both cores, SmolLM2's decoder shapes (benchmarks/small_m_gemm.py), MKL/oneDNN
+# time 0.99-1.10 at 256 rows, 1.00 at 512, 0.91 at 1024, 0.83-0.91 at 2048 (MKL at 98-100% of the
+# matmul peak, oneDNN at 83-90%); an offline batch of 2,048-token steps took 0.94-0.95x the time.
+PACKED_MAX_ROWS_AVX2 = 1023
 # Below this many rows oneDNN's setup per call outweighs what it saves on a decoder layer's weights;
 # an LM head, tens of times larger, gains from one row on (PACKED_MIN_ROWS_LM_HEAD).
 PACKED_MIN_ROWS = 4
@@ -120,7 +127,15 @@ def packed_rows(dtype: torch.dtype, min_rows: int = PACKED_MIN_ROWS) -> tuple[in
         return _NO_ROWS
     if dtype == torch.bfloat16:
         return _ANY_ROWS
-    return min_rows, (PACKED_MAX_ROWS_INTEL if cpu_vendor() == "GenuineIntel" else _ANY_ROWS[1])
+    return min_rows, _float32_packed_max_rows()
+
+
+def _float32_packed_max_rows() -> int:
+    if cpu_vendor() == "GenuineIntel":
+        return PACKED_MAX_ROWS_INTEL
+    if "avx512f" not in cpu_flags() or not onednn_allows("AVX512_CORE"):
+        return PACKED_MAX_ROWS_AVX2
+    return _ANY_ROWS[1]
 
 
 def _small_rows_kernels() -> bool:

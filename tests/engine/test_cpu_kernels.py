@@ -584,7 +584,7 @@ def _small_row_limits(dtype, packing: bool) -> tuple[int, int]:
     return panel, gemv
 
 
-@pytest.mark.parametrize("rows", [1, 3, 4, 9, 16, 17, 64, 65, 128, 129, 700])  # panels/GEMV, packed to _MAX_ROWS
+@pytest.mark.parametrize("rows", [1, 3, 4, 9, 16, 17, 64, 65, 128, 129, 700, 1024])  # panels/GEMV, packed, MKL
 @pytest.mark.parametrize("bias,lm_head", [(False, False), (True, False), (False, True)])
 def test_packed_linear_matches_f_linear(rows, bias, lm_head, isa):
     from meshserve.layers.cpu_gemm import packed_rows
@@ -609,16 +609,23 @@ def test_packed_linear_matches_f_linear(rows, bias, lm_head, isa):
     torch.testing.assert_close(out, F.linear(x, lin.weight, getattr(lin, "bias", None)), rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("vendor,top", [("GenuineIntel", 128), ("AuthenticAMD", None), ("", None)])
-def test_float32_prefill_rows_take_mkl_only_on_intel(vendor, top, monkeypatch):
-    """MKL matches oneDNN's packed weight from a few hundred rows on Intel CPUs only: elsewhere float32
-    takes the packed weight at every row count."""
+@pytest.mark.parametrize("vendor,avx512,top", [("GenuineIntel", True, 128), ("GenuineIntel", False, 128),
+                                               ("AuthenticAMD", True, None), ("AuthenticAMD", False, 1023),
+                                               ("", True, None), ("", False, 1023)])
+def test_float32_prefill_rows_take_mkl_on_intel_or_avx2(vendor, avx512, top, monkeypatch):
+    """MKL matches oneDNN's packed weight from a few hundred rows on Intel CPUs and overtakes oneDNN's
+    AVX2 kernels from a thousand rows: elsewhere float32 takes the packed weight at every row count."""
     from meshserve.layers import cpu_gemm
 
     monkeypatch.setattr(cpu_gemm, "cpu_vendor", lambda: vendor)
+    monkeypatch.setattr(cpu_gemm, "cpu_flags", lambda: frozenset({"avx2", "fma"} | ({"avx512f"} if avx512 else set())))
+    monkeypatch.setattr(cpu_gemm, "onednn_allows", lambda level: True)
     lo, hi = cpu_gemm.packed_rows(torch.float32)
     assert lo == cpu_gemm.PACKED_MIN_ROWS
     assert hi == top if top else hi > 1 << 40
+    # oneDNN capped below AVX-512 (ONEDNN_MAX_CPU_ISA) runs its AVX2 kernels whatever the CPU has
+    monkeypatch.setattr(cpu_gemm, "onednn_allows", lambda level: level != "AVX512_CORE")
+    assert cpu_gemm.packed_rows(torch.float32)[1] == (top or 1023)
     if cpu_gemm.packs(torch.bfloat16):  # bfloat16 packs every row count on any vendor's CPU
         assert cpu_gemm.packed_rows(torch.bfloat16) == (1, 1 << 62)
 
