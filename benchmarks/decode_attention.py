@@ -1,6 +1,6 @@
 """Decode attention per layer on CPU: the PyTorch gather + SDPA path against the paged C++ kernel,
-the kernel on its AVX-512 path (where the CPU has it) and on its AVX2 one, and in bfloat16 with its
-scores on AMX tiles (where the CPU has them).
+the kernel on its AVX2 path (which float32 caches take on every CPU), and in bfloat16 on its
+AVX512-BF16 path and with its scores on AMX tiles (where the CPU has them).
 
 SmolLM2-135M geometry (9 query heads, 3 KV heads, head_dim 64, --block-size tokens per block), float32 or
 --dtype bfloat16 (the AVX512-BF16 path where the CPU has it), a batch
@@ -89,7 +89,7 @@ def main() -> int:
         for k, v in caches:
             gathered_decode(q, k, v, tables, mask)
 
-    isas = ["avx2", "avx512"] if "avx512f" in cpu_flags() else ["avx2"]  # AVX2 alone where there is no AVX-512
+    isas = ["avx2", "avx512"] if dtype == torch.bfloat16 and "avx512_bf16" in cpu_flags() else ["avx2"]
     if dtype == torch.bfloat16 and cpu_kernels.panel_bf16_isa() == "amx":
         isas.append("amx")
     paths = {"pytorch": pytorch, **{f"kernel {isa}": kernel(isa) for isa in isas}}

@@ -23,7 +23,7 @@
   AVX-VNNI or AVX2, chosen at run time; `set_quant_isa` forces one, or the float path); more rows
   take the dequantized weight through the float matmul.
 - `prefill_causal`: causal attention of fresh prompts of equal length (csrc/prefill_attention.cpp),
-  float32 in registers on AVX2 CPUs without AVX-512, bfloat16 on AMX tiles.
+  float32 in registers on AVX2 CPUs (Intel ones with AVX-512 keep SDPA), bfloat16 on AMX tiles.
 - `argmax`: the greedy token of each row of logits (a vectorised max, then its first position),
   where torch's argmax runs one scalar pass per row on a CPU.
 
@@ -207,9 +207,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 
 def prefill_usable(q: torch.Tensor, n: int) -> bool:
     """prefill_causal takes these heads ([n * L, heads, head_dim]) of n prompts on this CPU, prompts
-    up to 2,048 tokens: float32 built with AVX2, head size a multiple of 8, no AVX-512 taken (there
-    PyTorch's own kernel runs its AVX-512 path); bfloat16 on AMX-BF16, head size 32 to 128 in steps of
-    32 (csrc/prefill_attention.cpp)."""
+    up to 2,048 tokens: float32 built with AVX2, head size a multiple of 8, except on an Intel CPU with
+    AVX-512 taken (there PyTorch's own kernel runs its AVX-512 path at full width, not measured against
+    this); bfloat16 on AMX-BF16, head size 32 to 128 in steps of 32 (csrc/prefill_attention.cpp)."""
     return q.device.type == "cpu" and available() and _kernels().prefill_causal_usable(q, n)
 
 

@@ -1,7 +1,7 @@
 """The CPU backend: the PyTorch reference, with decodes read in place by the C++ kernel
 (cpu_kernels.paged_decode) where it takes the tensors (float32 or bfloat16, kernels built; the
 cache in that dtype or fp8, widened in the kernel), and fresh prompts through
-cpu_kernels.prefill_causal where it runs (float32 on AVX2 CPUs without AVX-512, bfloat16 on AMX).
+cpu_kernels.prefill_causal where it runs (float32 on AVX2 CPUs but Intel ones with AVX-512, bfloat16 on AMX).
 
 Its metadata has a type of its own because the C++ decoder stack (models/cpu_decoder_stack.py)
 runs whole layers, attention included, only for steps this backend built.

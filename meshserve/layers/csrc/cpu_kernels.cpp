@@ -140,6 +140,11 @@ static bool cpu_has_avx512() {
   return has && avx512_allowed;
 }
 
+static bool cpu_is_intel() {
+  static const bool intel = __builtin_cpu_is("intel");
+  return intel;
+}
+
 // Lets the tests run the baseline paths on a CPU with AVX-512; returns the previous setting.
 bool allow_avx512(bool allowed) {
   const bool previous = avx512_allowed;

@@ -262,10 +262,12 @@ static void decode_rows(const T* qp, const C* kp, const C* vp, T* op, const int6
 
 // Whether paged_decode computes a query (and cache) of this dtype and head size with decode_rows,
 // which can take part of a sequence's heads (decoder_stack.cpp's one-region loop splits a step's
-// heads among its threads); the AVX-512 kernels below take whole sequences.
+// heads among its threads); the AVX512-BF16 kernel below takes whole sequences. Float32 caches take
+// decode_rows on AVX-512 CPUs too: on a Zen 4 it ran 1.00-1.17x the AVX-512 kernel's speed from 1 to
+// 64 sequences (benchmarks/decode_attention.py), which now reads fp8 caches alone.
 static bool decode_takes_rows(at::ScalarType dtype, int64_t D) {
   if (D != 64 && D != 128) return true;
-  return dtype == at::kFloat ? !cpu_has_avx512() : !cpu_has_avx512_bf16();
+  return dtype == at::kFloat || !cpu_has_avx512_bf16();
 }
 
 // ---- bfloat16 on CPUs with AVX512-BF16 -------------------------------------------------------------
@@ -580,11 +582,10 @@ static void paged_decode_bf16(const bf16* qp, const bf16* kp, const bf16* vp, bf
   });
 }
 
-// ---- float32 and fp8 caches on CPUs with AVX-512 ----------------------------------------------------
+// ---- fp8 caches on CPUs with AVX-512 -----------------------------------------------------------------
 // The query in float32 (widened once per sequence), each key read (an fp8 one widened in registers:
 // load16) and multiplied in float32 FMAs, sixteen keys at a time; the values as in the bfloat16
-// path. On float32 caches this is 1.15x the AVX2 loop above (benchmarks/decode_attention.py, 64
-// sequences of 320 tokens, caches larger than the last-level cache).
+// path. Float32 caches took it too until the AVX2 loop above, with its prefetches, overtook it.
 
 // Scores of one query head (NC x 16 floats) against up to 16 keys `row` elements apart; keys past
 // `count` re-read the last one and are not stored.
@@ -709,15 +710,6 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
         every_sequence(qp, kp, vp, op, vscale);
       });
     });
-    return out;
-  }
-  if (q.scalar_type() == at::kFloat && !decode_takes_rows(at::kFloat, D)) {
-    const float* qp = q.data_ptr<float>();
-    const float* kp = k_cache.data_ptr<float>();
-    const float* vp = v_cache.data_ptr<float>();
-    float* op = out.data_ptr<float>();
-    if (D == 64) paged_decode_f32<4>(qp, kp, vp, op, tables, lens, B, H, KVH, bs, max_blocks, fscale, 1.f);
-    else paged_decode_f32<8>(qp, kp, vp, op, tables, lens, B, H, KVH, bs, max_blocks, fscale, 1.f);
     return out;
   }
   if (q.scalar_type() == at::kBFloat16 && !decode_takes_rows(at::kBFloat16, D)) {
