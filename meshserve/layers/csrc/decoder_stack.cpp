@@ -183,8 +183,8 @@ torch::Tensor attention(const torch::Tensor& q, torch::Tensor k, torch::Tensor v
 // and cache writes of a few microseconds. As separate calls every matmul opened and closed a
 // parallel region and every operator allocated its output: 0.5 ms of a 9 ms batch-1 step of the
 // embedded model's layers on a 2-core Zen 3. Here the threads stay in one region for all the layers:
-// one thread runs the row-wise operators into buffers made once per step (the others waiting at a
-// barrier), all of them take the panels from a shared counter, and each decodes its share of the
+// each runs the row-wise operators on its share of the rows into buffers made once per step, all
+// of them take the panels from a shared counter, and each decodes its share of the
 // attention (KV heads of sequences, so that one sequence's heads are shared too). The operators are
 // the same functions on the same values, so the bits are the same.
 
@@ -285,8 +285,8 @@ std::vector<torch::Tensor> decode_fused(const torch::Tensor& h, const std::vecto
   const int64_t* tables = s.decode_tables.data_ptr<int64_t>();
   const int64_t* lens = s.decode_lens.data_ptr<int64_t>();
   const int64_t bs = kv_caches[0].size(2), max_blocks = s.decode_tables.size(1);
-  std::vector<uint32_t> xt;  // the next matmul's rows (panel_transpose), written by one thread
-  xt.reserve(T * 2 * ((std::max({E, H * D, I}) + 1) / 2));
+  // The next matmul's rows as the panels read them, each thread writing the transposes of its rows.
+  std::vector<uint32_t> xt(panel_transpose_size<W>(T, std::max({E, H * D, I})));
   std::atomic<int64_t> next{0};  // the next panel of the current matmul
   std::exception_ptr failed;
   // By every thread: its share of the panels of one matmul, after xt and next were set.
@@ -299,22 +299,23 @@ std::vector<torch::Tensor> decode_fused(const torch::Tensor& h, const std::vecto
       panel_range(pp, x, T, m[0].size(1), bp, y, N, p0, p1, static_cast<PanelArgmax*>(nullptr));
     });
   };
-  auto rows_in = [&](const W* x, int64_t K) {  // one thread, before a barrier
-    panel_transpose(x, K, T, K, xt);
-    next.store(0, std::memory_order_relaxed);
-  };
 #pragma omp parallel num_threads(threads)
   {
     const int64_t team = omp_get_num_threads(), me = omp_get_thread_num();
     const int64_t i0 = T * S * me / team, i1 = T * S * (me + 1) / team;  // this thread's items
+    // The row-wise operators between the matmuls, on this thread's rows: at 64 rows one thread alone
+    // held the other at the barrier for them.
+    const int64_t r0 = T * me / team, r1 = T * (me + 1) / team;
+    auto rows_in = [&](const W* x, int64_t K) {  // by every thread, then a barrier
+      panel_transpose_rows(x, K, T, K, r0, r1, xt.data());
+      if (me == 0) next.store(0, std::memory_order_relaxed);
+    };
     for (size_t layer = 0; layer < kv_caches.size(); ++layer) {
       const torch::Tensor* w = weights.data() + layer * kWeightsPerLayer;
-#pragma omp single
-      {
-        if (layer == 0) rms_norm_rows<W>(rp, E, w[kInputNorm].data_ptr<W>(), nullptr, 0, hnp, 0, T, E, eps);
-        else rms_norm_rows<W>(op, E, w[kInputNorm].data_ptr<W>(), rp, E, hnp, 0, T, E, eps);
-        rows_in(hnp, E);
-      }
+      if (layer == 0) rms_norm_rows<W>(rp, E, w[kInputNorm].data_ptr<W>(), nullptr, 0, hnp, r0, r1, E, eps);
+      else rms_norm_rows<W>(op, E, w[kInputNorm].data_ptr<W>(), rp, E, hnp, r0, r1, E, eps);
+      rows_in(hnp, E);
+#pragma omp barrier
       matmul(w + kQKV, w[kQKVBias], qkvp);
 #pragma omp barrier
       if (i0 < i1) {
@@ -346,22 +347,18 @@ std::vector<torch::Tensor> decode_fused(const torch::Tensor& h, const std::vecto
         }
       }
 #pragma omp barrier
-#pragma omp single
       rows_in(ap, H * D);
+#pragma omp barrier
       matmul(w + kO, torch::Tensor(), op);
 #pragma omp barrier
-#pragma omp single
-      {
-        rms_norm_rows<W>(op, E, w[kPostNorm].data_ptr<W>(), rp, E, hnp, 0, T, E, eps);
-        rows_in(hnp, E);
-      }
+      rms_norm_rows<W>(op, E, w[kPostNorm].data_ptr<W>(), rp, E, hnp, r0, r1, E, eps);
+      rows_in(hnp, E);
+#pragma omp barrier
       matmul(w + kGateUp, torch::Tensor(), gup);
 #pragma omp barrier
-#pragma omp single
-      {
-        silu_and_mul_rows<W>(gup, 2 * I, actp, 0, T, I);
-        rows_in(actp, I);
-      }
+      silu_and_mul_rows<W>(gup, 2 * I, actp, r0, r1, I);
+      rows_in(actp, I);
+#pragma omp barrier
       matmul(w + kDown, torch::Tensor(), op);
 #pragma omp barrier
     }

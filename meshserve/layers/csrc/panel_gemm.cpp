@@ -427,26 +427,43 @@ bool panel_argmax_usable(bool bfloat16) { return bfloat16 ? cpu_has_avx512_bf16(
 // Which kernel panel_gemm takes now for float32 weights ("avx512" or "avx2"; "" where none).
 std::string panel_isa() { return cpu_has_avx512() ? "avx512" : (kPanelAvx2 ? "avx2" : ""); }
 
-// x's M rows (ldr values apart) as the register blocks read them, into scratch: transposed, [K][M]
-// float32 or [K/2][M] bfloat16 pairs, and on AVX2 [2 * K2][M] float32 whatever the dtype; each k's
-// rows side by side, so a register block broadcasts them from one cache line.
+// x's M rows (ldr values apart) as the register blocks read them: transposed, [K][M] float32 or
+// [K/2][M] bfloat16 pairs, and on AVX2 [2 * K2][M] float32 whatever the dtype; each k's rows side
+// by side, so a register block broadcasts them from one cache line. panel_transpose_size values.
 template <typename W>
-static void panel_transpose(const W* xp, int64_t ldr, int64_t M, int64_t K, std::vector<uint32_t>& scratch) {
-  constexpr bool bfloat16 = std::is_same_v<W, bf16>;
+static int64_t panel_transpose_size(int64_t M, int64_t K) {
   const int64_t K2 = (K + 1) / 2;
-  const bool widened = bfloat16 && !cpu_has_avx512();
-  scratch.assign((widened ? 2 * K2 : (bfloat16 ? K2 : K)) * M, 0u);
-  if constexpr (bfloat16) {
-    if (!widened) {
-      auto* half = reinterpret_cast<uint16_t*>(scratch.data());  // little-endian: k even in the low half
-      for (int64_t m = 0; m < M; ++m)
+  if constexpr (std::is_same_v<W, bf16>) return (cpu_has_avx512() ? K2 : 2 * K2) * M;
+  return K * M;
+}
+
+// Rows m0..m1 of that into xt (panel_transpose_size values), the padding past an odd K zeroed: the
+// rows of one matrix can be written by several threads at once.
+template <typename W>
+static void panel_transpose_rows(const W* xp, int64_t ldr, int64_t M, int64_t K, int64_t m0, int64_t m1,
+                                 uint32_t* xt) {
+  if constexpr (std::is_same_v<W, bf16>) {
+    if (cpu_has_avx512()) {
+      auto* half = reinterpret_cast<uint16_t*>(xt);  // little-endian: k even in the low half
+      for (int64_t m = m0; m < m1; ++m) {
         for (int64_t k = 0; k < K; ++k) half[((k / 2) * M + m) * 2 + (k & 1)] = xp[m * ldr + k].x;
+        if (K % 2) half[((K / 2) * M + m) * 2 + 1] = 0;
+      }
       return;
     }
   }
-  auto* xt = reinterpret_cast<float*>(scratch.data());
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t k = 0; k < K; ++k) xt[k * M + m] = f32(xp[m * ldr + k]);
+  auto* out = reinterpret_cast<float*>(xt);
+  const bool padded = std::is_same_v<W, bf16> && K % 2;  // the widened pairs' last k
+  for (int64_t m = m0; m < m1; ++m) {
+    for (int64_t k = 0; k < K; ++k) out[k * M + m] = f32(xp[m * ldr + k]);
+    if (padded) out[K * M + m] = 0.f;
+  }
+}
+
+template <typename W>
+static void panel_transpose(const W* xp, int64_t ldr, int64_t M, int64_t K, std::vector<uint32_t>& scratch) {
+  scratch.resize(panel_transpose_size<W>(M, K));
+  panel_transpose_rows(xp, ldr, M, K, 0, M, scratch.data());
 }
 
 // Panels p0..p1 of a weight (pp: pack_panels(weight), K inputs, N outputs, bias bp or null) against
