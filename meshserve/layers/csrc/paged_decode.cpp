@@ -263,7 +263,7 @@ static void decode_rows(const T* qp, const C* kp, const C* vp, T* op, const int6
 // Whether paged_decode computes a query (and cache) of this dtype and head size with decode_rows,
 // which can take part of a sequence's heads (decoder_stack.cpp's one-region loop splits a step's
 // heads among its threads); the AVX512-BF16 kernel below takes whole sequences. Float32 caches take
-// decode_rows on AVX-512 CPUs too: on a Zen 4 it ran 1.00-1.17x the AVX-512 kernel's speed from 1 to
+// decode_rows on AVX-512 CPUs too: on a Zen 4 it ran 1.01-1.16x the AVX-512 kernel's speed from 1 to
 // 64 sequences (benchmarks/decode_attention.py), which now reads fp8 caches alone.
 static bool decode_takes_rows(at::ScalarType dtype, int64_t D) {
   if (D != 64 && D != 128) return true;

@@ -335,7 +335,7 @@ constexpr int64_t kMaxPromptLength = 2048;
 // Whether prefill_causal takes q ([n * L, heads, head_dim]) of n prompts here: float32 built with
 // AVX2 and FMA, head size a multiple of 8, except on Intel CPUs with AVX-512, where PyTorch's own
 // kernel takes its AVX-512 path at full width and this was not measured against it (on a Zen 4 with
-// AVX-512 this ran 2.0-2.6x SDPA's speed up to 1,024 tokens); bfloat16 where the CPU has AMX-BF16,
+// AVX-512 this ran 2.0-2.6x SDPA's speed up to 512 tokens, 1.03x at 2,048); bfloat16 where the CPU has AMX-BF16,
 // head size 32, 64, 96 or 128. Prompts up to kMaxPromptLength tokens either way.
 bool prefill_causal_usable(const torch::Tensor& q, int64_t n) {
   if (q.dim() != 3 || n <= 0 || q.size(0) % n != 0 || q.size(0) / n > kMaxPromptLength) return false;
