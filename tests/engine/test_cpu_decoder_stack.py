@@ -36,6 +36,9 @@ def _steps() -> list[StepInput]:
         StepInput([SeqStep(3, [16], 5, tables[3], True)]),  # batch 1
         StepInput([SeqStep(1, [17], 15, tables[1], True), SeqStep(2, [18], 15, tables[2], True),
                    SeqStep(3, [19], 6, tables[3], True)]),  # more sequences on one thread than the other
+        # ten rows, past one register block of the panels (which read x as stored there on AVX-512);
+        # their caches' first two slots never written: zeros, alike on both paths
+        StepInput([SeqStep(s, [20 + s], 2, [4 + s], True) for s in range(4, 14)]),
     ]
 
 
@@ -71,7 +74,7 @@ def _stack_equals_module_path(tmp_path, config, dtype):
     assert runner.attn_backend.name == "cpu"
     if config.get("attention_bias"):
         assert all(layer.self_attn.qkv_proj.bias is not None for layer in model.layers.values())
-    shape = (2, 8, BLOCK, runner.num_kv_heads, runner.head_dim)
+    shape = (2, 18, BLOCK, runner.num_kv_heads, runner.head_dim)
     fast_caches = [torch.zeros(shape, dtype=getattr(torch, dtype)) for _ in model.layers]
     plain_caches = [c.clone() for c in fast_caches]
     fused = cpu_kernels.fused_decode_steps()
@@ -99,7 +102,7 @@ def test_a_bad_decode_step_is_refused_before_the_threads_start(tmp_path):
     assert model.cpu_stack is not None and cpu_gemm.panel_max_rows(torch.float32) > 0
     shape = (2, 8, BLOCK, runner.num_kv_heads, runner.head_dim)
     caches = [torch.zeros(shape) for _ in model.layers]
-    ids, positions, meta = runner.attn_backend.build_inputs(pack_step(_steps()[-2], BLOCK))
+    ids, positions, meta = runner.attn_backend.build_inputs(pack_step(_steps()[-3], BLOCK))
     meta.slot_mapping[0] = 8 * BLOCK  # one past the last slot
     with torch.inference_mode(), pytest.raises(RuntimeError, match="out of range"):
         model(ids, positions, caches, meta)

@@ -285,18 +285,20 @@ std::vector<torch::Tensor> decode_fused(const torch::Tensor& h, const std::vecto
   const int64_t* tables = s.decode_tables.data_ptr<int64_t>();
   const int64_t* lens = s.decode_lens.data_ptr<int64_t>();
   const int64_t bs = kv_caches[0].size(2), max_blocks = s.decode_tables.size(1);
-  // The next matmul's rows as the panels read them, each thread writing the transposes of its rows.
-  std::vector<uint32_t> xt(panel_transpose_size<W>(T, std::max({E, H * D, I})));
+  // Where the panels do not read x as stored: the next matmul's rows transposed, each thread
+  // writing the transposes of its rows.
+  const bool as_stored = panel_reads_rows(T);
+  std::vector<uint32_t> xt(as_stored ? 0 : panel_transpose_size<W>(T, std::max({E, H * D, I})));
   std::atomic<int64_t> next{0};  // the next panel of the current matmul
   std::exception_ptr failed;
-  // By every thread: its share of the panels of one matmul, after xt and next were set.
-  auto matmul = [&](const torch::Tensor* m, const torch::Tensor& bias, W* y) {
-    const int64_t N = m[0].size(0), P = (N + kPanelWidth - 1) / kPanelWidth;
+  // By every thread: its share of the panels of one matmul of x ([T, K]), after rows_in(x, K).
+  auto matmul = [&](const torch::Tensor* m, const torch::Tensor& bias, const W* x, W* y) {
+    const int64_t N = m[0].size(0), P = (N + kPanelWidth - 1) / kPanelWidth, K = m[0].size(1);
     const W* pp = m[2].data_ptr<W>();
     const W* bp = present(bias) ? bias.data_ptr<W>() : nullptr;
-    const void* x = xt.data();
+    const void* xr = as_stored ? static_cast<const void*>(x) : xt.data();
     take_runs(next, P, threads, guided_runs(P), [&](int64_t p0, int64_t p1) {
-      panel_range(pp, x, T, m[0].size(1), bp, y, N, p0, p1, static_cast<PanelArgmax*>(nullptr));
+      panel_range(pp, xr, K, T, K, bp, y, N, p0, p1, static_cast<PanelArgmax*>(nullptr));
     });
   };
 #pragma omp parallel num_threads(threads)
@@ -307,7 +309,7 @@ std::vector<torch::Tensor> decode_fused(const torch::Tensor& h, const std::vecto
     // held the other at the barrier for them.
     const int64_t r0 = T * me / team, r1 = T * (me + 1) / team;
     auto rows_in = [&](const W* x, int64_t K) {  // by every thread, then a barrier
-      panel_transpose_rows(x, K, T, K, r0, r1, xt.data());
+      if (!as_stored) panel_transpose_rows(x, K, T, K, r0, r1, xt.data());
       if (me == 0) next.store(0, std::memory_order_relaxed);
     };
     for (size_t layer = 0; layer < kv_caches.size(); ++layer) {
@@ -316,7 +318,7 @@ std::vector<torch::Tensor> decode_fused(const torch::Tensor& h, const std::vecto
       else rms_norm_rows<W>(op, E, w[kInputNorm].data_ptr<W>(), rp, E, hnp, r0, r1, E, eps);
       rows_in(hnp, E);
 #pragma omp barrier
-      matmul(w + kQKV, w[kQKVBias], qkvp);
+      matmul(w + kQKV, w[kQKVBias], hnp, qkvp);
 #pragma omp barrier
       if (i0 < i1) {
         const torch::Tensor& cache = kv_caches[layer];
@@ -349,17 +351,17 @@ std::vector<torch::Tensor> decode_fused(const torch::Tensor& h, const std::vecto
 #pragma omp barrier
       rows_in(ap, H * D);
 #pragma omp barrier
-      matmul(w + kO, torch::Tensor(), op);
+      matmul(w + kO, torch::Tensor(), ap, op);
 #pragma omp barrier
       rms_norm_rows<W>(op, E, w[kPostNorm].data_ptr<W>(), rp, E, hnp, r0, r1, E, eps);
       rows_in(hnp, E);
 #pragma omp barrier
-      matmul(w + kGateUp, torch::Tensor(), gup);
+      matmul(w + kGateUp, torch::Tensor(), hnp, gup);
 #pragma omp barrier
       silu_and_mul_rows<W>(gup, 2 * I, actp, r0, r1, I);
       rows_in(actp, I);
 #pragma omp barrier
-      matmul(w + kDown, torch::Tensor(), op);
+      matmul(w + kDown, torch::Tensor(), actp, op);
 #pragma omp barrier
     }
   }

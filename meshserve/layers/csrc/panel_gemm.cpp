@@ -5,8 +5,8 @@
 // compute-bound from a few rows on. Here the outputs run across the lanes instead. A panel holds
 // kPanelWidth consecutive outputs (three vectors of 16), stored K-major ([K][48]), so one panel is
 // one sequential stream: at each k the kernel loads the panel's three weight vectors once and
-// multiplies them by up to kPanelRows rows of x, each broadcast from a transposed copy of x that
-// stays in L1. Its 24 accumulators are independent FMA chains, enough to keep both FMA pipes busy
+// multiplies them by up to kPanelRows rows of x, each broadcast from a transposed copy of x or
+// from x's rows as stored (panel_reads_rows), in L1. Its 24 accumulators are independent FMA chains, enough to keep both FMA pipes busy
 // with no reduction at the end; the weight is read from memory once a step and, for more rows than
 // one register block holds, from L2 for the later blocks of the same panel.
 //
@@ -29,10 +29,10 @@ constexpr int64_t kPanelPrefetchBytes = 4096;
 template <int MR>
 using PanelAcc = __m512[MR][kPanelVectors];
 
-// One register block: MR rows of x against one panel, over all of K. xt: x transposed, [K][ldx]
-// (float32) or [K/2][ldx] (bfloat16 pairs as 32-bit lanes), offset to the block's first row.
-template <int MR>
-AVX512 static inline void panel_block_f32(const float* panel, const float* xt, int64_t ldx, int64_t K,
+// One register block: MR rows of x against one panel, over all of K. x, offset to the block's first
+// row: with Rows as stored (ldx values between rows), else transposed ([K][ldx], panel_transpose).
+template <int MR, bool Rows>
+AVX512 static inline void panel_block_f32(const float* panel, const float* x, int64_t ldx, int64_t K,
                                           PanelAcc<MR>& acc) {
   for (int m = 0; m < MR; ++m)
     for (int v = 0; v < kPanelVectors; ++v) acc[m][v] = _mm512_setzero_ps();
@@ -41,9 +41,8 @@ AVX512 static inline void panel_block_f32(const float* panel, const float* xt, i
     const float* wk = panel + k * kPanelWidth;
     for (int v = 0; v < kPanelVectors; ++v) _mm_prefetch(reinterpret_cast<const char*>(wk + ahead + 16 * v), _MM_HINT_T0);
     const __m512 w0 = _mm512_loadu_ps(wk), w1 = _mm512_loadu_ps(wk + 16), w2 = _mm512_loadu_ps(wk + 32);
-    const float* xk = xt + k * ldx;
     for (int m = 0; m < MR; ++m) {
-      const __m512 xb = _mm512_set1_ps(xk[m]);
+      const __m512 xb = _mm512_set1_ps(Rows ? x[m * ldx + k] : x[k * ldx + m]);
       acc[m][0] = _mm512_fmadd_ps(xb, w0, acc[m][0]);
       acc[m][1] = _mm512_fmadd_ps(xb, w1, acc[m][1]);
       acc[m][2] = _mm512_fmadd_ps(xb, w2, acc[m][2]);
@@ -51,24 +50,40 @@ AVX512 static inline void panel_block_f32(const float* panel, const float* xt, i
   }
 }
 
+// One k of a bfloat16 panel (a pair row, wk) against MR rows' pairs of x (32-bit lanes).
 template <int MR>
-AVX512_BF16 static inline void panel_block_bf16(const bf16* panel, const uint32_t* xt, int64_t ldx, int64_t K2,
-                                                PanelAcc<MR>& acc) {
+AVX512_BF16 static inline void panel_pair_bf16(const bf16* wk, const uint32_t* pairs, PanelAcc<MR>& acc, bool prefetch) {
+  constexpr int64_t ahead = kPanelPrefetchBytes / sizeof(bf16);
+  if (prefetch)
+    for (int v = 0; v < kPanelVectors; ++v) _mm_prefetch(reinterpret_cast<const char*>(wk + ahead + 32 * v), _MM_HINT_T0);
+  const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wk), w1 = (__m512bh)_mm512_loadu_si512(wk + 32),
+                 w2 = (__m512bh)_mm512_loadu_si512(wk + 64);
+  for (int m = 0; m < MR; ++m) {
+    const __m512bh xb = (__m512bh)_mm512_set1_epi32(static_cast<int>(pairs[m]));
+    acc[m][0] = _mm512_dpbf16_ps(acc[m][0], xb, w0);
+    acc[m][1] = _mm512_dpbf16_ps(acc[m][1], xb, w1);
+    acc[m][2] = _mm512_dpbf16_ps(acc[m][2], xb, w2);
+  }
+}
+
+// bfloat16: each k of the panel is a pair of x's values, one 32-bit lane: of its row as stored
+// (Rows), else of the transposed pairs ([K/2][ldx] lanes, panel_transpose). The last pair of an odd
+// K ends in a zero. prefetch: ask for the panel kPanelPrefetchBytes ahead (panel_prefetches).
+template <int MR, bool Rows>
+AVX512_BF16 static inline void panel_block_bf16(const bf16* panel, const bf16* x, int64_t ldx, int64_t K,
+                                                PanelAcc<MR>& acc, bool prefetch) {
   for (int m = 0; m < MR; ++m)
     for (int v = 0; v < kPanelVectors; ++v) acc[m][v] = _mm512_setzero_ps();
-  constexpr int64_t ahead = kPanelPrefetchBytes / sizeof(bf16);
-  for (int64_t k = 0; k < K2; ++k) {
-    const bf16* wk = panel + k * 2 * kPanelWidth;
-    for (int v = 0; v < kPanelVectors; ++v) _mm_prefetch(reinterpret_cast<const char*>(wk + ahead + 32 * v), _MM_HINT_T0);
-    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wk), w1 = (__m512bh)_mm512_loadu_si512(wk + 32),
-                   w2 = (__m512bh)_mm512_loadu_si512(wk + 64);
-    const uint32_t* xk = xt + k * ldx;
-    for (int m = 0; m < MR; ++m) {
-      const __m512bh xb = (__m512bh)_mm512_set1_epi32(static_cast<int>(xk[m]));
-      acc[m][0] = _mm512_dpbf16_ps(acc[m][0], xb, w0);
-      acc[m][1] = _mm512_dpbf16_ps(acc[m][1], xb, w1);
-      acc[m][2] = _mm512_dpbf16_ps(acc[m][2], xb, w2);
-    }
+  const auto pair = [x, ldx](int m, int64_t k) { return Rows ? x + m * ldx + 2 * k : x + 2 * (k * ldx + m); };
+  uint32_t pairs[MR];
+  const int64_t whole = K / 2;
+  for (int64_t k = 0; k < whole; ++k) {
+    for (int m = 0; m < MR; ++m) std::memcpy(pairs + m, pair(m, k), sizeof(uint32_t));
+    panel_pair_bf16<MR>(panel + k * 2 * kPanelWidth, pairs, acc, prefetch);
+  }
+  if (K % 2) {  // the row's last value alone: nothing past it is read
+    for (int m = 0; m < MR; ++m) pairs[m] = pair(m, whole)->x;
+    panel_pair_bf16<MR>(panel + whole * 2 * kPanelWidth, pairs, acc, prefetch);
   }
 }
 
@@ -202,29 +217,38 @@ AVX512 static inline void panel_store(PanelAcc<MR>& acc, const W* bias, W* y, in
 }
 
 // One register block through the kernel of W's dtype (each compiled for only the ISA it needs).
+// rows: x as stored (else transposed; see panel_reads_rows).
 template <int MR>
-AVX512 static void panel_rows(const float* panel, const void* xt, int64_t ldx, int64_t K, const float* bias,
-                              float* y, int64_t N, int64_t m0, int64_t n0, float* vals) {
+AVX512 static void panel_rows(const float* panel, const void* x, int64_t ldx, int64_t K, const float* bias,
+                              float* y, int64_t N, int64_t m0, int64_t n0, float* vals, bool rows, bool) {
   PanelAcc<MR> acc;
-  panel_block_f32<MR>(panel, static_cast<const float*>(xt) + m0, ldx, K, acc);
+  const float* xf = static_cast<const float*>(x);
+  if (rows)
+    panel_block_f32<MR, true>(panel, xf + m0 * ldx, ldx, K, acc);
+  else
+    panel_block_f32<MR, false>(panel, xf + m0, ldx, K, acc);
   panel_store<MR>(acc, bias, y, N, m0, n0, vals);
 }
 
 template <int MR>
-AVX512_BF16 static void panel_rows(const bf16* panel, const void* xt, int64_t ldx, int64_t K, const bf16* bias,
-                                   bf16* y, int64_t N, int64_t m0, int64_t n0, float* vals) {
+AVX512_BF16 static void panel_rows(const bf16* panel, const void* x, int64_t ldx, int64_t K, const bf16* bias,
+                                   bf16* y, int64_t N, int64_t m0, int64_t n0, float* vals, bool rows, bool prefetch) {
   PanelAcc<MR> acc;
-  panel_block_bf16<MR>(panel, static_cast<const uint32_t*>(xt) + m0, ldx, (K + 1) / 2, acc);
+  const bf16* xb = static_cast<const bf16*>(x);
+  if (rows)
+    panel_block_bf16<MR, true>(panel, xb + m0 * ldx, ldx, K, acc, prefetch);
+  else
+    panel_block_bf16<MR, false>(panel, xb + 2 * m0, ldx, K, acc, prefetch);
   panel_store<MR>(acc, bias, y, N, m0, n0, vals);
 }
 
 template <typename W>
-static void panel_group(const W* panel, const void* xt, int64_t ldx, int64_t K, const W* bias, W* y, int64_t N,
-                        int64_t m0, int64_t rows, int64_t n0, float* vals) {
+static void panel_group(const W* panel, const void* x, int64_t ldx, int64_t K, const W* bias, W* y, int64_t N,
+                        int64_t m0, int64_t rows, int64_t n0, float* vals, bool as_stored, bool prefetch) {
   switch (rows) {
 #define PANEL_CASE(r) \
   case r:             \
-    return panel_rows<r>(panel, xt, ldx, K, bias, y, N, m0, n0, vals);
+    return panel_rows<r>(panel, x, ldx, K, bias, y, N, m0, n0, vals, as_stored, prefetch);
     PANEL_CASE(1) PANEL_CASE(2) PANEL_CASE(3) PANEL_CASE(4) PANEL_CASE(5) PANEL_CASE(6) PANEL_CASE(7) PANEL_CASE(8)
 #undef PANEL_CASE
   }
@@ -427,9 +451,19 @@ bool panel_argmax_usable(bool bfloat16) { return bfloat16 ? cpu_has_avx512_bf16(
 // Which kernel panel_gemm takes now for float32 weights ("avx512" or "avx2"; "" where none).
 std::string panel_isa() { return cpu_has_avx512() ? "avx512" : (kPanelAvx2 ? "avx2" : ""); }
 
-// x's M rows (ldr values apart) as the register blocks read them: transposed, [K][M] float32 or
-// [K/2][M] bfloat16 pairs, and on AVX2 [2 * K2][M] float32 whatever the dtype; each k's rows side
-// by side, so a register block broadcasts them from one cache line. panel_transpose_size values.
+// Whether the panels read M rows of x as stored rather than a transposed copy: on AVX-512, rows
+// in more than one register block. Each block's rows then stay in L1 (8 rows of 576 float32 are
+// 18 KB) and its broadcasts come from them, where the copy, written by both threads before every
+// matmul and read back from L2, took longer on a 2-core Zen 4 (the embedded model's float32 decode
+// steps in one process, the builds taking turns step by step: 16 rows 0.82x the time as stored,
+// 64 rows 0.975x); one block (the kernel alone, streaming the weight: 4 and 5 rows 1.04-1.08x the
+// time as stored, 1, 2, 3, 6 and 8 within 0.95-1.02x) keeps the copy.
+bool panel_reads_rows(int64_t M) { return cpu_has_avx512() && M > kPanelRows; }
+
+// x's M rows (ldr values apart) transposed, each k's rows side by side, so a register block
+// broadcasts them from one cache line: [K][M] float32; bfloat16 on AVX-512 [K/2][M] pairs as 32-bit
+// lanes, on AVX2 widened to [2 * K2][M] float32 (panel_avx2 reads float32 whatever the dtype).
+// panel_transpose_size 32-bit values.
 template <typename W>
 static int64_t panel_transpose_size(int64_t M, int64_t K) {
   const int64_t K2 = (K + 1) / 2;
@@ -437,27 +471,25 @@ static int64_t panel_transpose_size(int64_t M, int64_t K) {
   return K * M;
 }
 
-// Rows m0..m1 of that into xt (panel_transpose_size values), the padding past an odd K zeroed: the
-// rows of one matrix can be written by several threads at once.
+// Rows m0..m1 of that into xt, the padding past an odd K zeroed: the rows of one matrix can be
+// written by several threads at once. k by k, so the lines of the rows read stay in L1.
 template <typename W>
 static void panel_transpose_rows(const W* xp, int64_t ldr, int64_t M, int64_t K, int64_t m0, int64_t m1,
                                  uint32_t* xt) {
   if constexpr (std::is_same_v<W, bf16>) {
-    if (cpu_has_avx512()) {
-      auto* half = reinterpret_cast<uint16_t*>(xt);  // little-endian: k even in the low half
-      for (int64_t m = m0; m < m1; ++m) {
-        for (int64_t k = 0; k < K; ++k) half[((k / 2) * M + m) * 2 + (k & 1)] = xp[m * ldr + k].x;
-        if (K % 2) half[((K / 2) * M + m) * 2 + 1] = 0;
-      }
+    if (cpu_has_avx512()) {  // a pair of neighbours along K as one lane (little-endian: k even low)
+      for (int64_t k2 = 0; k2 < K / 2; ++k2)
+        for (int64_t m = m0; m < m1; ++m) std::memcpy(xt + k2 * M + m, xp + m * ldr + 2 * k2, sizeof(uint32_t));
+      if (K % 2)
+        for (int64_t m = m0; m < m1; ++m) xt[(K / 2) * M + m] = xp[m * ldr + K - 1].x;
       return;
     }
   }
   auto* out = reinterpret_cast<float*>(xt);
-  const bool padded = std::is_same_v<W, bf16> && K % 2;  // the widened pairs' last k
-  for (int64_t m = m0; m < m1; ++m) {
-    for (int64_t k = 0; k < K; ++k) out[k * M + m] = f32(xp[m * ldr + k]);
-    if (padded) out[K * M + m] = 0.f;
-  }
+  for (int64_t k = 0; k < K; ++k)
+    for (int64_t m = m0; m < m1; ++m) out[k * M + m] = f32(xp[m * ldr + k]);
+  if (std::is_same_v<W, bf16> && K % 2)  // the widened pairs' last k
+    for (int64_t m = m0; m < m1; ++m) out[K * M + m] = 0.f;
 }
 
 template <typename W>
@@ -466,31 +498,46 @@ static void panel_transpose(const W* xp, int64_t ldr, int64_t M, int64_t K, std:
   panel_transpose_rows(xp, ldr, M, K, 0, M, scratch.data());
 }
 
-// Panels p0..p1 of a weight (pp: pack_panels(weight), K inputs, N outputs, bias bp or null) against
-// M rows of x as panel_transpose leaves them (xt): into yp ([M, N]), or with yp null into state
-// (panel_argmax).
+// Whether the AVX-512 register blocks ask for their panel ahead of their reads (float32 always). A
+// bfloat16 weight read in one pass (one register block: up to kPanelRows rows of x) is one stream
+// the hardware prefetcher follows, and on a 2-core Zen 4 asking too made batch-1 decode 1.06x slower
+// (in one process, the two taking turns: 0.94x the time per token without, the kernel alone over the
+// embedded model's shapes 0.93-0.95x; 8 rows alike; float32 batch-1 1.03x faster with it, and keeps
+// it); so AMD CPUs go without. Intel ones keep it, as the kernel was written there (not measured
+// without).
 template <typename W>
-static void panel_range(const W* pp, const void* xt, int64_t M, int64_t K, const W* bp, W* yp, int64_t N,
-                        int64_t p0, int64_t p1, PanelArgmax* state) {
+static bool panel_prefetches(int64_t blocks) {
+  return std::is_same_v<W, float> || blocks > 1 || cpu_is_intel();
+}
+
+// Panels p0..p1 of a weight (pp: pack_panels(weight), K inputs, N outputs, bias bp or null) against
+// M rows of x: as stored, ldx values apart, where panel_reads_rows(M), else as panel_transpose leaves
+// them (ldx unused): into yp ([M, N]), or with yp null into state (panel_argmax).
+template <typename W>
+static void panel_range(const W* pp, const void* x, int64_t ldx, int64_t M, int64_t K, const W* bp, W* yp,
+                        int64_t N, int64_t p0, int64_t p1, PanelArgmax* state) {
   constexpr bool bfloat16 = std::is_same_v<W, bf16>;
   const int64_t K2 = (K + 1) / 2;
   const int64_t panel_values = bfloat16 ? K2 * 2 * kPanelWidth : K * kPanelWidth;
   // Row blocks of near-equal size (12 rows: two of 6, not 8 and 4).
   const int64_t blocks = (M + kPanelRows - 1) / kPanelRows;
   const bool avx2 = !cpu_has_avx512();
+  const bool prefetch = panel_prefetches<W>(blocks), as_stored = panel_reads_rows(M);
+  if (!as_stored) ldx = M;
   thread_local std::vector<float> vals;  // the panel's outputs for the argmax: [M][48]
   if (!yp) vals.resize(M * kPanelWidth);
   for (int64_t p = p0; p < p1; ++p) {
 #if defined(__AVX2__) && defined(__FMA__)
     if (avx2) {
-      panel_avx2(pp + p * panel_values, static_cast<const float*>(xt), M, bfloat16 ? K2 : K, bp, yp, N,
+      panel_avx2(pp + p * panel_values, static_cast<const float*>(x), M, bfloat16 ? K2 : K, bp, yp, N,
                  p * kPanelWidth);
       continue;
     }
 #endif
     for (int64_t b = 0, m0 = 0; b < blocks; ++b) {
       const int64_t rows = M / blocks + (b < M % blocks ? 1 : 0);
-      panel_group<W>(pp + p * panel_values, xt, M, K, bp, yp, N, m0, rows, p * kPanelWidth, vals.data());
+      panel_group<W>(pp + p * panel_values, x, ldx, K, bp, yp, N, m0, rows, p * kPanelWidth, vals.data(),
+                     as_stored, prefetch);
       m0 += rows;
     }
     if (!yp) panel_argmax_update(vals.data(), M, std::min(kPanelWidth, N - p * kPanelWidth), p * kPanelWidth, 0, *state);
@@ -531,13 +578,18 @@ static void panel_run(const torch::Tensor& x, const torch::Tensor& panels, int64
   thread_local std::vector<uint32_t> scratch;
   dispatch(x, name, [&](auto tag) {
     using W = decltype(tag);
-    panel_transpose(x.data_ptr<W>(), x.stride(0), M, K, scratch);
-    const void* xt = scratch.data();  // the caller's: the workers' thread_local scratch is their own
+    const void* xr = x.data_ptr<W>();
+    int64_t ldx = x.stride(0);
+    if (!panel_reads_rows(M)) {
+      panel_transpose(x.data_ptr<W>(), x.stride(0), M, K, scratch);
+      xr = scratch.data();  // the caller's: the workers' thread_local scratch is their own
+      ldx = M;
+    }
     const W* pp = panels.data_ptr<W>();
     const W* bp = bias ? bias->data_ptr<W>() : nullptr;
     W* yp = y ? y->data_ptr<W>() : nullptr;
     parallel_guided(P, [&](int64_t p0, int64_t p1) {
-      panel_range(pp, xt, M, K, bp, yp, N, p0, p1, states ? &(*states)[at::get_thread_num()] : nullptr);
+      panel_range(pp, xr, ldx, M, K, bp, yp, N, p0, p1, states ? &(*states)[at::get_thread_num()] : nullptr);
     });
   });
 }
