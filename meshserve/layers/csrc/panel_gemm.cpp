@@ -6,9 +6,10 @@
 // kPanelWidth consecutive outputs (three vectors of 16), stored K-major ([K][48]), so one panel is
 // one sequential stream: at each k the kernel loads the panel's three weight vectors once and
 // multiplies them by up to kPanelRows rows of x, each broadcast from a transposed copy of x or
-// from x's rows as stored (panel_reads_rows), in L1. Its 24 accumulators are independent FMA chains, enough to keep both FMA pipes busy
-// with no reduction at the end; the weight is read from memory once a step and, for more rows than
-// one register block holds, from L2 for the later blocks of the same panel.
+// from x's rows as stored (panel_reads_rows), in L1. Its 24 accumulators are independent FMA
+// chains, enough to keep both FMA pipes busy with no reduction at the end; the weight is read from
+// memory once a step and, for more rows than one register block holds, from L2 for the later
+// blocks of the same panel.
 //
 // AVX2 has 16 vector registers of 8 lanes, so a panel is six vectors there and a register block
 // two rows (12 accumulators, the two broadcasts and the weight vector being multiplied), and more
@@ -579,17 +580,15 @@ static void panel_run(const torch::Tensor& x, const torch::Tensor& panels, int64
   dispatch(x, name, [&](auto tag) {
     using W = decltype(tag);
     const void* xr = x.data_ptr<W>();
-    int64_t ldx = x.stride(0);
     if (!panel_reads_rows(M)) {
       panel_transpose(x.data_ptr<W>(), x.stride(0), M, K, scratch);
       xr = scratch.data();  // the caller's: the workers' thread_local scratch is their own
-      ldx = M;
     }
     const W* pp = panels.data_ptr<W>();
     const W* bp = bias ? bias->data_ptr<W>() : nullptr;
     W* yp = y ? y->data_ptr<W>() : nullptr;
     parallel_guided(P, [&](int64_t p0, int64_t p1) {
-      panel_range(pp, xr, ldx, M, K, bp, yp, N, p0, p1, states ? &(*states)[at::get_thread_num()] : nullptr);
+      panel_range(pp, xr, x.stride(0), M, K, bp, yp, N, p0, p1, states ? &(*states)[at::get_thread_num()] : nullptr);
     });
   });
 }
