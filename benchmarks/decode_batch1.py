@@ -7,7 +7,8 @@ decode step, every sequence one token), the batch sizes a served engine runs at 
 it: the bytes of weights one step reads (every linear layer and the LM head), the rate that makes,
 and that rate over the read bandwidth measured in the same run (a sum over a 1 GiB float32 buffer
 on the threads the engine uses, on plain pages as PyTorch allocates them and on the transparent
-huge pages the engine keeps its weights on; the two differ by up to 2x on some machines). Goal:
+huge pages the engine keeps its weights on; the two differ by up to 2x on some machines), and the
+median over rounds of each round's rate over that round's bandwidth ("by round"). Goal:
 float32 and bfloat16 batch-1 decode at >= 85% of it.
 
 Each variant runs in its own process, in turns (rounds), so the machine's drift falls on all of
@@ -193,22 +194,31 @@ def main() -> int:
                 print(f"round {r + 1}: llama.cpp {os.path.basename(f)}: prefill {ms:.1f} ms", flush=True)
         bandwidth.append(read_bandwidth(threads))
         huge_bandwidth.append(read_bandwidth(threads, huge=True))
+        print(f"round {r + 1}: read bandwidth {bandwidth[-1] / 1e9:.1f} GB/s plain, {huge_bandwidth[-1] / 1e9:.1f} "
+              "huge pages", flush=True)
     bw, huge_bw = statistics.median(bandwidth), statistics.median(huge_bandwidth)
     print(f"\nread bandwidth ({threads} threads, 1 GiB sum, median of {len(bandwidth)}): {bw / 1e9:.1f} GB/s on "
           f"plain pages, {huge_bw / 1e9:.1f} GB/s on huge pages")
+
+    def round_share(name: str, batch: int) -> float:
+        """The median over rounds of the step's rate over the plain-page bandwidth of its own round: the
+        bandwidth of a shared machine moves between rounds (by up to 1.5x within minutes)."""
+        nbytes = results[name][0]["weight_bytes"]
+        return statistics.median(nbytes / (x["step_ms"][str(batch)] / 1e3) / b
+                                 for x, b in zip(results[name], bandwidth))
 
     def step_ms(name: str, batch: int) -> float:
         return statistics.median(x["step_ms"][str(batch) if batch else "prefill"] for x in results[name])
 
     print(f"{'engine':28} {'batch':>5} {'ms/step':>8} {'out tok/s':>9} {'GB/step':>8} {'GB/s':>6} "
-          f"{'of bandwidth: plain':>20} {'huge pages':>10}")
+          f"{'of bandwidth: plain':>20} {'huge pages':>10} {'plain, by round':>15}")
     for name, runs in results.items():
         nbytes = runs[0]["weight_bytes"]
         for batch in args.batches:
             ms = step_ms(name, batch)
             rate = nbytes / (ms / 1e3)
             print(f"{name:28} {batch:5} {ms:8.2f} {batch / ms * 1e3:9.1f} {nbytes / 1e9:8.3f} {rate / 1e9:6.1f} "
-                  f"{rate / bw:20.0%} {rate / huge_bw:10.0%}")
+                  f"{rate / bw:20.0%} {rate / huge_bw:10.0%} {round_share(name, batch):15.0%}")
     for (f, batch), times in llama.items():
         ms = statistics.median(times)
         if batch:
