@@ -16,7 +16,8 @@ them: float32 and bfloat16, each with the decode GEMV and weight panels (csrc/ge
 csrc/panel_gemm.cpp) and without them (MESHSERVE_DISABLE_GEMV=1: oneDNN / MKL), the ratio between them printed. With
 `--quantizations none gguf int8` the weights are also served quantized (`--quantization`; gguf: the
 embedded file's own Q4_1 blocks), and each `--gguf FILE` adds that file served as stored (a Q8_0 of
-the same weights, say). With `--llama-bench PATH` llama.cpp's `llama-bench -p 0 -n 128` on each
+the same weights, say; an F32 or BF16 file in its own dtype, the first of `--dtypes` otherwise).
+With `--llama-bench PATH` llama.cpp's `llama-bench -p 0 -n 128` on each
 GGUF file (the embedded one, and every `--gguf`) takes its turn too (same threads), and for batches
 above 1 `llama-batched-bench` from the same directory (`-npp 16 -ntg 128 -npl B`: B sequences
 decoded together, its tg rate) when it is there. `--prefill-len N` also times the prefill of one
@@ -107,6 +108,15 @@ def child(variant: str, repeats: int, prompt_len: int, gen: int, batches: list[i
     return info
 
 
+def gguf_float_dtype(path: str) -> str | None:
+    """The dtype a GGUF file's matrices are stored in where it is float32 or bfloat16 (served so,
+    beside llama.cpp reading the same bytes); None for a quantized file."""
+    from gguf import GGMLQuantizationType, GGUFReader
+    types = {t.tensor_type for t in GGUFReader(path).tensors if len(t.shape) == 2}
+    names = {GGMLQuantizationType.F32: "float32", GGMLQuantizationType.BF16: "bfloat16"}
+    return names[types.pop()] if len(types) == 1 and next(iter(types)) in names else None
+
+
 def llama_bench(path: str, gguf: str, threads: int, repeats: int, prompt: int = 0, gen: int = 128) -> float:
     """ms per token of llama-bench's test: tg128 (gen), or a prompt's prefill (pp, with gen=0)."""
     out = subprocess.run([path, "-m", gguf, "-p", str(prompt), "-n", str(gen), "-t", str(threads), "-r", str(repeats),
@@ -148,7 +158,8 @@ def main() -> int:
     variants = {f"meshserve {d}{'' if q == 'none' else ' ' + q}{suffix}": (f"{d}:{q}:default", env)
                 for d in args.dtypes for q in args.quantizations
                 for suffix, env in (baselines if q == "none" else baselines[:1])}
-    variants |= {f"meshserve gguf {os.path.basename(f)}": (f"{args.dtypes[0]}:gguf:{f}", {}) for f in args.gguf}
+    variants |= {f"meshserve gguf {os.path.basename(f)}": (f"{gguf_float_dtype(f) or args.dtypes[0]}:gguf:{f}", {})
+                 for f in args.gguf}
     gguf_files = [str(default_gguf_path()), *args.gguf]
     results: dict[str, list[dict]] = {name: [] for name in variants}
     llama: dict[tuple[str, int], list[float]] = {}  # (file, batch; 0: the prefill) -> ms per step

@@ -46,10 +46,14 @@ def _decodes_only(step: StepInput) -> bool:
     return all(len(s.token_ids) == 1 and s.start > 0 for s in step.seqs)
 
 
-# Head size 32 (hidden 128): bfloat16 prompts take the AMX prompt kernel where the CPU has it.
+# Head size 32 (hidden 128): bfloat16 prompts take the AMX prompt kernel where the CPU has it. Head
+# size 64 (hidden 384, 3 KV heads of 2 query heads): bfloat16 decode attention takes the AVX512-BF16
+# kernel where the CPU has it, a sequence's KV heads split between the threads (not on AMX).
 @pytest.mark.parametrize("config,dtype", [({}, "float32"), ({"attention_bias": True}, "float32"),
                                           ({"num_key_value_heads": 4}, "float32"), ({}, "bfloat16"),
-                                          ({"attention_bias": True}, "bfloat16"), ({"hidden_size": 128}, "bfloat16")])
+                                          ({"attention_bias": True}, "bfloat16"), ({"hidden_size": 128}, "bfloat16"),
+                                          ({"hidden_size": 384, "num_attention_heads": 6, "num_key_value_heads": 3},
+                                           "bfloat16")])
 # 2 and 3 threads: a decode step's attention is shared out by KV head, one sequence's heads split
 # between threads (and, with 3, a thread left without any).
 @pytest.mark.parametrize("threads", [2, 3])

@@ -278,13 +278,13 @@ std::vector<torch::Tensor> decode_fused(const torch::Tensor& h, const std::vecto
   const double scale = std::pow(static_cast<double>(D), -0.5);
   const int threads = at::get_num_threads();
   // The step's attention in T x S items, S slices of each sequence's KV heads: one KV head a slice
-  // where decode_rows (paged_decode.cpp) takes part of a sequence's heads, so that one sequence
-  // is shared by the threads; else whole sequences (the AVX-512 kernels through paged_decode).
-  const bool by_heads = decode_takes_rows(h.scalar_type(), D);
-  const int64_t S = by_heads ? KVH : 1;
+  // where decode_heads (paged_decode.cpp) takes part of a sequence's heads, so that one sequence
+  // is shared by the threads; else whole sequences (the AMX kernel through paged_decode).
   const int64_t* tables = s.decode_tables.data_ptr<int64_t>();
   const int64_t* lens = s.decode_lens.data_ptr<int64_t>();
   const int64_t bs = kv_caches[0].size(2), max_blocks = s.decode_tables.size(1);
+  const bool by_heads = decode_splits_heads(h.scalar_type(), H, KVH, D, bs);
+  const int64_t S = by_heads ? KVH : 1;
   // Where the panels do not read x as stored: the next matmul's rows transposed, each thread
   // writing the transposes of its rows.
   const bool as_stored = panel_reads_rows(T);
@@ -320,6 +320,7 @@ std::vector<torch::Tensor> decode_fused(const torch::Tensor& h, const std::vecto
 #pragma omp barrier
       matmul(w + kQKV, w[kQKVBias], hnp, qkvp);
 #pragma omp barrier
+      if (me == 0) next.store(0, std::memory_order_relaxed);  // the O projection's: all are past QKV's panels
       if (i0 < i1) {
         const torch::Tensor& cache = kv_caches[layer];
         W* kc = cache.data_ptr<W>();
@@ -336,8 +337,8 @@ std::vector<torch::Tensor> decode_fused(const torch::Tensor& h, const std::vecto
           std::memcpy(vc + slot[t] * kv_row + g0 * D, row + (H + KVH + g0) * D, (g1 - g0) * D * sizeof(W));
           std::memcpy(qp + (t * H + g0 * G) * D, row + g0 * G * D, (g1 - g0) * G * D * sizeof(W));
           if (by_heads)
-            decode_rows(qp, kc, vc, ap, tables, lens, t, t + 1, g0, g1, H, D, KVH, bs, max_blocks,
-                        static_cast<float>(scale), 1.f);
+            decode_heads(qp, kc, vc, ap, tables, lens, t, t + 1, g0, g1, H, D, KVH, bs, max_blocks,
+                         static_cast<float>(scale));
         }
         if (!by_heads) try {  // checked before the region: nothing is expected to throw here
           auto o = paged_decode(q.slice(0, b0, b1), cache[0], cache[1], s.decode_tables.slice(0, b0, b1),
@@ -349,8 +350,10 @@ std::vector<torch::Tensor> decode_fused(const torch::Tensor& h, const std::vecto
         }
       }
 #pragma omp barrier
-      rows_in(ap, H * D);
+      if (!as_stored) {  // the transposes of rows whose heads several threads wrote
+        rows_in(ap, H * D);
 #pragma omp barrier
+      }
       matmul(w + kO, torch::Tensor(), ap, op);
 #pragma omp barrier
       rms_norm_rows<W>(op, E, w[kPostNorm].data_ptr<W>(), rp, E, hnp, r0, r1, E, eps);

@@ -260,9 +260,9 @@ static void decode_rows(const T* qp, const C* kp, const C* vp, T* op, const int6
   }
 }
 
-// Whether paged_decode computes a query (and cache) of this dtype and head size with decode_rows,
-// which can take part of a sequence's heads (decoder_stack.cpp's one-region loop splits a step's
-// heads among its threads); the AVX512-BF16 kernel below takes whole sequences. Float32 caches take
+// Whether paged_decode computes a query (and cache) of this dtype and head size with decode_rows
+// rather than the AVX512-BF16 kernels below (decode_heads, for decoder_stack.cpp's one-region loop,
+// takes part of a sequence's heads either way but on AMX). Float32 caches take
 // decode_rows on AVX-512 CPUs too: on a Zen 4 it ran 1.01-1.16x the AVX-512 kernel's speed from 1 to
 // 64 sequences (benchmarks/decode_attention.py), which now reads fp8 caches alone.
 static bool decode_takes_rows(at::ScalarType dtype, int64_t D) {
@@ -393,21 +393,21 @@ AVX512_F32 static void weighted_values_heads(int64_t heads, const Probs& pr, int
   }
 }
 
-// o (H = KVH x G heads, NC x 16 floats each) as weighted_values_heads computes it, for every KV
-// head at once when a KV head's G query heads fit in one batch of registers: the blocks in order,
-// each block's rows read for all KV heads before the next (one pass over V, each block one
-// contiguous run), the G heads' sums of one KV head in registers while its slice of the block is
-// read, in `o` between blocks. The sums run over the tokens in the same order: the same results.
+// o (H = KVH x G heads, NC x 16 floats each) as weighted_values_heads computes it, for KV heads
+// [g0, g1) at once when a KV head's G query heads fit in one batch of registers: the blocks in
+// order, each block's rows read for those KV heads before the next (one pass over V, each block
+// one contiguous run), the G heads' sums of one KV head in registers while its slice of the block
+// is read, in `o` between blocks. The sums run over the tokens in the same order: the same results.
 template <int NC, int G, typename V>
 AVX512_F32 static void weighted_values_blocks(const Probs& pr, int64_t L, const V* vp, const int64_t* table, int64_t bs,
-                                              int64_t KVH, float* o) {
+                                              int64_t KVH, int64_t g0, int64_t g1, float* o) {
   constexpr int64_t D = 16 * NC;
   const int64_t row = KVH * D, ts = pr.ts;
-  std::fill(o, o + KVH * G * D, 0.f);
+  std::fill(o + g0 * G * D, o + g1 * G * D, 0.f);
   for (int64_t t0 = 0; t0 < L; t0 += bs) {
     const int64_t n = std::min(bs, L - t0);
     const V* vb = vp + table[t0 / bs] * bs * row;
-    for (int64_t g = 0; g < KVH; ++g) {
+    for (int64_t g = g0; g < g1; ++g) {
       float* og = o + g * G * D;
       const float* pg[G];
       for (int h = 0; h < G; ++h) pg[h] = pr.head(g * G + h) + t0 * ts;
@@ -415,7 +415,7 @@ AVX512_F32 static void weighted_values_blocks(const Probs& pr, int64_t L, const 
       for (int h = 0; h < G; ++h)
         for (int c = 0; c < NC; ++c) acc[h][c] = _mm512_loadu_ps(og + h * D + 16 * c);
       for (int64_t j = 0; j < n; ++j) {
-        prefetch_next_block(vp, table, t0, L, bs, row, row, g * n + j, KVH * n);  // the next block, spread
+        prefetch_next_block(vp, table, t0, L, bs, row, row, (g - g0) * n + j, (g1 - g0) * n);  // the next block, spread
         __m512 v[NC];
         for (int c = 0; c < NC; ++c) v[c] = load16(vb + j * row + g * D + 16 * c);
         for (int h = 0; h < G; ++h) {
@@ -429,53 +429,55 @@ AVX512_F32 static void weighted_values_blocks(const Probs& pr, int64_t L, const 
   }
 }
 
-// All heads' o: one pass over V where a KV head's query heads fit in registers together (G <= 4
-// for 64-value heads, 2 for 128), else one pass per KV head. On a bfloat16 cache the one pass was
-// 1.09-1.26x faster (decode_attention.py, 64 sequences of 320 tokens, three rounds taking turns on
-// a 2-core Xeon with AMX); float32, already at the read bandwidth with a pass per KV head, keeps it
-// (0.80-1.09x with one pass).
+// The o of KV heads [g0, g1)'s query heads: one pass over V where a KV head's query heads fit in
+// registers together (G <= 4 for 64-value heads, 2 for 128), else one pass per KV head. On a
+// bfloat16 cache the one pass was 1.09-1.26x faster (decode_attention.py, 64 sequences of 320
+// tokens, three rounds taking turns on a 2-core Xeon with AMX); float32, already at the read
+// bandwidth with a pass per KV head, keeps it (0.80-1.09x with one pass).
 template <int NC, typename V>
-AVX512_F32 static void weighted_values_all(int64_t G, int64_t KVH, const Probs& pr, int64_t L, const V* vp,
-                                           const int64_t* table, int64_t bs, float* o) {
+AVX512_F32 static void weighted_values_all(int64_t G, int64_t KVH, int64_t g0, int64_t g1, const Probs& pr, int64_t L,
+                                           const V* vp, const int64_t* table, int64_t bs, float* o) {
   constexpr int64_t D = 16 * NC, HB = 16 / NC;
   if (G <= HB) {
     switch (G) {
-      case 1: return weighted_values_blocks<NC, 1>(pr, L, vp, table, bs, KVH, o);
-      case 2: if constexpr (HB >= 2) return weighted_values_blocks<NC, 2>(pr, L, vp, table, bs, KVH, o); break;
-      case 3: if constexpr (HB >= 3) return weighted_values_blocks<NC, 3>(pr, L, vp, table, bs, KVH, o); break;
-      default: if constexpr (HB >= 4) return weighted_values_blocks<NC, 4>(pr, L, vp, table, bs, KVH, o); break;
+      case 1: return weighted_values_blocks<NC, 1>(pr, L, vp, table, bs, KVH, g0, g1, o);
+      case 2: if constexpr (HB >= 2) return weighted_values_blocks<NC, 2>(pr, L, vp, table, bs, KVH, g0, g1, o); break;
+      case 3: if constexpr (HB >= 3) return weighted_values_blocks<NC, 3>(pr, L, vp, table, bs, KVH, g0, g1, o); break;
+      default: if constexpr (HB >= 4) return weighted_values_blocks<NC, 4>(pr, L, vp, table, bs, KVH, g0, g1, o); break;
     }
   }
   const int64_t row = KVH * D;
   const V* first_v = vp + table[0] * bs * row;
-  for (int64_t g = 0; g < KVH; ++g)
+  for (int64_t g = g0; g < g1; ++g)
     weighted_values_heads<NC>(G, pr, g * G, L, vp + g * D, table, bs, row, o + g * G * D,
-                              g + 1 < KVH ? first_v + (g + 1) * D : nullptr, std::min(bs, L));
+                              g + 1 < g1 ? first_v + (g + 1) * D : nullptr, std::min(bs, L));
 }
 
-// One sequence (a task of paged_decode's parallel loop): its unnormalised output in ob and 1 / each
-// head's sum in inv_sum; p is the task's scratch (and the AMX path's packed query, unused here).
+// One sequence's query heads of KV heads [g0, g1) (a task of paged_decode's parallel loop: all of
+// them): their unnormalised output in ob and 1 / each head's sum in inv_sum ([H][D] and [H], the
+// other heads' untouched); p is the task's scratch. A head's results depend on its query and its KV
+// head alone, so any split of the heads computes the same bits.
 template <int NC2>
-AVX512_BF16 static void decode_sequence_bf16(const bf16* q, const bf16* kp, const bf16* vp,
-                                             const int64_t* table, int64_t L, int64_t H, int64_t KVH, int64_t bs,
-                                             float scale, std::vector<float>& p, std::vector<bf16>&,
-                                             std::vector<float>& ob, std::vector<float>& inv_sum) {
+AVX512_BF16 static void decode_sequence_bf16(const bf16* q, const bf16* kp, const bf16* vp, const int64_t* table,
+                                             int64_t L, int64_t H, int64_t KVH, int64_t g0, int64_t g1, int64_t bs,
+                                             float scale, std::vector<float>& p, std::vector<float>& ob,
+                                             std::vector<float>& inv_sum) {
   constexpr int64_t D = 32 * NC2;
-  const int64_t G = H / KVH, row = KVH * D;
+  const int64_t G = H / KVH, row = KVH * D, h0 = g0 * G, h1 = g1 * G;
   p.resize(H * L);
   const bf16* first_v = vp + table[0] * bs * row;
   for (int64_t t0 = 0; t0 < L; t0 += bs) {
     const int64_t n = std::min(bs, L - t0);
     const bf16* kb = kp + table[t0 / bs] * bs * row;
-    for (int64_t h = 0; h < H; ++h) {
-      prefetch_next_block(kp, table, t0, L, bs, row, row, h, H, first_v, std::min(bs, L));
+    for (int64_t h = h0; h < h1; ++h) {
+      prefetch_next_block(kp, table, t0, L, bs, row, row, h - h0, h1 - h0, first_v, std::min(bs, L));
       for (int64_t j = 0; j < n; j += 16)
         scores16<NC2>(q + h * D, kb + (h / G) * D + j * row, row, std::min<int64_t>(16, n - j), scale,
                       p.data() + h * L + t0 + j);
     }
   }
-  softmax_rows(p.data(), H, L, inv_sum.data());
-  weighted_values_all<2 * NC2>(G, KVH, Probs{p.data(), H, 0, L, 1}, L, vp, table, bs, ob.data());
+  softmax_rows(p.data() + h0 * L, h1 - h0, L, inv_sum.data() + h0);
+  weighted_values_all<2 * NC2>(G, KVH, g0, g1, Probs{p.data(), H, 0, L, 1}, L, vp, table, bs, ob.data());
 }
 
 #if defined(__x86_64__)
@@ -545,7 +547,7 @@ AMX_BF16 static void decode_sequence_amx(const bf16* q, const bf16* kp, const bf
     for (int64_t i = 0; i < std::min(per, H - set * per); ++i) inv_sum[set * per + i] = 1.f / sums[i];
   }
   const Probs probs{p.data(), per, Lp * kAmxScoreColumns, 1, kAmxScoreColumns};
-  weighted_values_all<2 * NC2>(G, KVH, probs, L, vp, table, bs, ob.data());
+  weighted_values_all<2 * NC2>(G, KVH, 0, KVH, probs, L, vp, table, bs, ob.data());
 }
 
 // Whether the AMX scores take this cache: whole 16-key tiles in a block, a group in 16 columns.
@@ -561,25 +563,65 @@ static void decode_sequence_amx(const bf16*, const bf16*, const bf16*, const int
                                 std::vector<float>&) {}
 #endif
 
+// Heads [h0, h1) of a sequence's output (out, [H][D]): the unnormalised sums (ob) times 1 / the
+// head's sum, rounded once.
+static void store_heads(const float* ob, const float* inv_sum, bf16* out, int64_t h0, int64_t h1, int64_t D) {
+  for (int64_t h = h0; h < h1; ++h)
+    for (int64_t i = 0; i < D; ++i) out[h * D + i] = store<bf16>(ob[h * D + i] * inv_sum[h]);
+}
+
 // amx: the scores on AMX tiles (paged_decode_amx_usable), else vdpbf16ps and lane sums.
 template <int NC2>
 static void paged_decode_bf16(const bf16* qp, const bf16* kp, const bf16* vp, bf16* op, const int64_t* tables,
                               const int64_t* lens, int64_t B, int64_t H, int64_t KVH, int64_t bs, int64_t max_blocks,
                               float scale, bool amx) {
   constexpr int64_t D = 32 * NC2;
-  const auto sequence = amx ? decode_sequence_amx<NC2> : decode_sequence_bf16<NC2>;
   parallel_chunks(B, [&](int64_t begin, int64_t end) {
     if (amx) amx_configure();
     std::vector<float> p, ob(H * D), inv_sum(H);
     std::vector<bf16> qt;
     for (int64_t b = begin; b < end; ++b) {
-      sequence(qp + b * H * D, kp, vp, tables + b * max_blocks, lens[b], H, KVH, bs, scale, p, qt, ob, inv_sum);
-      bf16* out = op + b * H * D;
-      for (int64_t h = 0; h < H; ++h)
-        for (int64_t i = 0; i < D; ++i) out[h * D + i] = store<bf16>(ob[h * D + i] * inv_sum[h]);
+      const bf16* q = qp + b * H * D;
+      const int64_t* table = tables + b * max_blocks;
+      if (amx) decode_sequence_amx<NC2>(q, kp, vp, table, lens[b], H, KVH, bs, scale, p, qt, ob, inv_sum);
+      else decode_sequence_bf16<NC2>(q, kp, vp, table, lens[b], H, KVH, 0, KVH, bs, scale, p, ob, inv_sum);
+      store_heads(ob.data(), inv_sum.data(), op + b * H * D, 0, H, D);
     }
     if (amx) amx_release();
   });
+}
+
+// Whether the one-region decode step (decoder_stack.cpp) can split a sequence's KV heads between its
+// threads (decode_heads): every cache decode_rows reads, and a bfloat16 one read by vdpbf16ps;
+// the AMX scores take whole sequences. At batch 1 one thread took a step's whole attention while
+// the other waited.
+static bool decode_splits_heads(at::ScalarType dtype, int64_t H, int64_t KVH, int64_t D, int64_t bs) {
+  return decode_takes_rows(dtype, D) || !paged_decode_amx_usable(H, KVH, bs);
+}
+
+// The query heads of KV heads [g0, g1) of sequences [begin, end), on the calling thread, into op
+// (where decode_splits_heads): decode_rows, or the AVX512-BF16 kernel where paged_decode takes it.
+template <typename T>
+static void decode_heads(const T* qp, const T* kp, const T* vp, T* op, const int64_t* tables, const int64_t* lens,
+                         int64_t begin, int64_t end, int64_t g0, int64_t g1, int64_t H, int64_t D, int64_t KVH,
+                         int64_t bs, int64_t max_blocks, float scale) {
+  if constexpr (std::is_same_v<T, bf16>) {
+    if (!decode_takes_rows(at::kBFloat16, D)) {
+      thread_local std::vector<float> p, ob, inv_sum;
+      ob.resize(H * D);
+      inv_sum.resize(H);
+      const int64_t G = H / KVH;
+      for (int64_t b = begin; b < end; ++b) {
+        const bf16* q = qp + b * H * D;
+        const int64_t* table = tables + b * max_blocks;
+        if (D == 64) decode_sequence_bf16<2>(q, kp, vp, table, lens[b], H, KVH, g0, g1, bs, scale, p, ob, inv_sum);
+        else decode_sequence_bf16<4>(q, kp, vp, table, lens[b], H, KVH, g0, g1, bs, scale, p, ob, inv_sum);
+        store_heads(ob.data(), inv_sum.data(), op + b * H * D, g0 * G, g1 * G, D);
+      }
+      return;
+    }
+  }
+  decode_rows(qp, kp, vp, op, tables, lens, begin, end, g0, g1, H, D, KVH, bs, max_blocks, scale, 1.f);
 }
 
 // ---- fp8 caches on CPUs with AVX-512 -----------------------------------------------------------------

@@ -458,8 +458,9 @@ std::string panel_isa() { return cpu_has_avx512() ? "avx512" : (kPanelAvx2 ? "av
 // matmul and read back from L2, took longer on a 2-core Zen 4 (the embedded model's float32 decode
 // steps in one process, the builds taking turns step by step: 16 rows 0.82x the time as stored,
 // 64 rows 0.975x); one block (the kernel alone, streaming the weight: 4 and 5 rows 1.04-1.08x the
-// time as stored, 1, 2, 3, 6 and 8 within 0.95-1.02x) keeps the copy.
-bool panel_reads_rows(int64_t M) { return cpu_has_avx512() && M > kPanelRows; }
+// time as stored, 1, 2, 3, 6 and 8 within 0.95-1.02x) keeps the copy, but for one row, which is its
+// own transpose ([K][1]): read as stored, a batch-1 decode step writes no copy before each matmul.
+bool panel_reads_rows(int64_t M) { return cpu_has_avx512() && (M == 1 || M > kPanelRows); }
 
 // x's M rows (ldr values apart) transposed, each k's rows side by side, so a register block
 // broadcasts them from one cache line: [K][M] float32; bfloat16 on AVX-512 [K/2][M] pairs as 32-bit
