@@ -7,7 +7,8 @@ MFU = 2 x parameters x processed tokens / elapsed / measured matmul FLOP/s.
 All engines are started and warmed up first, then run the workload in turns (prefix caches emptied
 before each run); with --repeats N there are N rounds and each engine keeps its best time. On a
 shared machine a slow run says more about the neighbours than about the engine, and alternating
-the engines exposes them to the same spells.
+the engines exposes them to the same spells. With vLLM and more than one round, each round's
+ratio to vLLM's best configuration in that round is printed too, and their median.
 
     python benchmarks/offline_throughput.py
     python benchmarks/offline_throughput.py --vllm-python /opt/vllm-venv/bin/python
@@ -19,6 +20,7 @@ import json
 import os
 import random
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -246,6 +248,13 @@ def main() -> None:
     vllm = [t for n, t in results.items() if n.startswith("vllm")]
     if vllm:
         print(f"meshserve / best vLLM: {min(vllm) / ours:.2f}x")
+    # Engines taking turns meet the same spell of the machine within a round: the ratio round by
+    # round moves less than either engine's times do.
+    vllm_rounds = [ts for n, ts in times.items() if n.startswith("vllm") and len(ts) == len(times["meshserve"])]
+    if vllm_rounds and len(times["meshserve"]) > 1:
+        ratios = [min(r) / m for m, r in zip(times["meshserve"], zip(*vllm_rounds))]
+        print(f"meshserve / best vLLM by round: {', '.join(f'{r:.2f}x' for r in ratios)}; "
+              f"median {statistics.median(ratios):.2f}x")
 
 
 if __name__ == "__main__":
