@@ -255,6 +255,8 @@ def main() -> None:
         ratios = [min(r) / m for m, r in zip(times["meshserve"], zip(*vllm_rounds))]
         print(f"meshserve / best vLLM by round: {', '.join(f'{r:.2f}x' for r in ratios)}; "
               f"median {statistics.median(ratios):.2f}x")
+        for name, ts in times.items():
+            print(f"  {name} by round: {', '.join(f'{t:.1f} s' for t in ts)}")
 
 
 if __name__ == "__main__":
