@@ -570,6 +570,23 @@ static void store_heads(const float* ob, const float* inv_sum, bf16* out, int64_
     for (int64_t i = 0; i < D; ++i) out[h * D + i] = store<bf16>(ob[h * D + i] * inv_sum[h]);
 }
 
+// Sequences [begin, end), the query heads of KV heads [g0, g1), through decode_sequence_bf16 on the
+// calling thread.
+template <int NC2>
+static void decode_sequences_bf16(const bf16* qp, const bf16* kp, const bf16* vp, bf16* op, const int64_t* tables,
+                                  const int64_t* lens, int64_t begin, int64_t end, int64_t g0, int64_t g1, int64_t H,
+                                  int64_t KVH, int64_t bs, int64_t max_blocks, float scale) {
+  constexpr int64_t D = 32 * NC2;
+  thread_local std::vector<float> p, ob, inv_sum;
+  ob.resize(H * D);
+  inv_sum.resize(H);
+  for (int64_t b = begin; b < end; ++b) {
+    decode_sequence_bf16<NC2>(qp + b * H * D, kp, vp, tables + b * max_blocks, lens[b], H, KVH, g0, g1, bs, scale, p,
+                              ob, inv_sum);
+    store_heads(ob.data(), inv_sum.data(), op + b * H * D, g0 * (H / KVH), g1 * (H / KVH), D);
+  }
+}
+
 // amx: the scores on AMX tiles (paged_decode_amx_usable), else vdpbf16ps and lane sums.
 template <int NC2>
 static void paged_decode_bf16(const bf16* qp, const bf16* kp, const bf16* vp, bf16* op, const int64_t* tables,
@@ -577,17 +594,17 @@ static void paged_decode_bf16(const bf16* qp, const bf16* kp, const bf16* vp, bf
                               float scale, bool amx) {
   constexpr int64_t D = 32 * NC2;
   parallel_chunks(B, [&](int64_t begin, int64_t end) {
-    if (amx) amx_configure();
+    if (!amx) return decode_sequences_bf16<NC2>(qp, kp, vp, op, tables, lens, begin, end, 0, KVH, H, KVH, bs,
+                                                max_blocks, scale);
+    amx_configure();
     std::vector<float> p, ob(H * D), inv_sum(H);
     std::vector<bf16> qt;
     for (int64_t b = begin; b < end; ++b) {
-      const bf16* q = qp + b * H * D;
-      const int64_t* table = tables + b * max_blocks;
-      if (amx) decode_sequence_amx<NC2>(q, kp, vp, table, lens[b], H, KVH, bs, scale, p, qt, ob, inv_sum);
-      else decode_sequence_bf16<NC2>(q, kp, vp, table, lens[b], H, KVH, 0, KVH, bs, scale, p, ob, inv_sum);
+      decode_sequence_amx<NC2>(qp + b * H * D, kp, vp, tables + b * max_blocks, lens[b], H, KVH, bs, scale, p, qt,
+                               ob, inv_sum);
       store_heads(ob.data(), inv_sum.data(), op + b * H * D, 0, H, D);
     }
-    if (amx) amx_release();
+    amx_release();
   });
 }
 
@@ -607,18 +624,8 @@ static void decode_heads(const T* qp, const T* kp, const T* vp, T* op, const int
                          int64_t bs, int64_t max_blocks, float scale) {
   if constexpr (std::is_same_v<T, bf16>) {
     if (!decode_takes_rows(at::kBFloat16, D)) {
-      thread_local std::vector<float> p, ob, inv_sum;
-      ob.resize(H * D);
-      inv_sum.resize(H);
-      const int64_t G = H / KVH;
-      for (int64_t b = begin; b < end; ++b) {
-        const bf16* q = qp + b * H * D;
-        const int64_t* table = tables + b * max_blocks;
-        if (D == 64) decode_sequence_bf16<2>(q, kp, vp, table, lens[b], H, KVH, g0, g1, bs, scale, p, ob, inv_sum);
-        else decode_sequence_bf16<4>(q, kp, vp, table, lens[b], H, KVH, g0, g1, bs, scale, p, ob, inv_sum);
-        store_heads(ob.data(), inv_sum.data(), op + b * H * D, g0 * G, g1 * G, D);
-      }
-      return;
+      const auto sequences = D == 64 ? decode_sequences_bf16<2> : decode_sequences_bf16<4>;
+      return sequences(qp, kp, vp, op, tables, lens, begin, end, g0, g1, H, KVH, bs, max_blocks, scale);
     }
   }
   decode_rows(qp, kp, vp, op, tables, lens, begin, end, g0, g1, H, D, KVH, bs, max_blocks, scale, 1.f);
