@@ -30,17 +30,33 @@ constexpr int64_t kPanelPrefetchBytes = 4096;
 template <int MR>
 using PanelAcc = __m512[MR][kPanelVectors];
 
+// Asks for a panel's line kPanelPrefetchBytes ahead of the reads. A panel that one register block
+// reads (up to kPanelRows rows of x) is read once a step: asked for non-temporally, so that a
+// decode step's weights, hundreds of MB read once each, do not evict from the caches what the host
+// touches between the kernels. On a 2-core Zen 4, whole tokens in one process with the builds
+// taking turns (medians of pairs, five runs): bfloat16 batch 1 0.89-0.99x the time of no prefetch,
+// 8 rows 0.89x, float32 batch 1 0.96-1.01x and 8 rows 0.95x the time of prefetching into all
+// levels (the embedding lookup, the final norm and the step's input tensors 2-2.5x faster between
+// the kernels); bfloat16 prefetched into all levels had been 1.06x slower than none. Later register
+// blocks of the same panel read it from L2.
+static inline void prefetch_panel(const void* line, bool once) {
+  if (once)
+    _mm_prefetch(static_cast<const char*>(line), _MM_HINT_NTA);
+  else
+    _mm_prefetch(static_cast<const char*>(line), _MM_HINT_T0);
+}
+
 // One register block: MR rows of x against one panel, over all of K. x, offset to the block's first
 // row: with Rows as stored (ldx values between rows), else transposed ([K][ldx], panel_transpose).
 template <int MR, bool Rows>
 AVX512 static inline void panel_block_f32(const float* panel, const float* x, int64_t ldx, int64_t K,
-                                          PanelAcc<MR>& acc) {
+                                          PanelAcc<MR>& acc, bool once) {
   for (int m = 0; m < MR; ++m)
     for (int v = 0; v < kPanelVectors; ++v) acc[m][v] = _mm512_setzero_ps();
   constexpr int64_t ahead = kPanelPrefetchBytes / sizeof(float);
   for (int64_t k = 0; k < K; ++k) {
     const float* wk = panel + k * kPanelWidth;
-    for (int v = 0; v < kPanelVectors; ++v) _mm_prefetch(reinterpret_cast<const char*>(wk + ahead + 16 * v), _MM_HINT_T0);
+    for (int v = 0; v < kPanelVectors; ++v) prefetch_panel(wk + ahead + 16 * v, once);
     const __m512 w0 = _mm512_loadu_ps(wk), w1 = _mm512_loadu_ps(wk + 16), w2 = _mm512_loadu_ps(wk + 32);
     for (int m = 0; m < MR; ++m) {
       const __m512 xb = _mm512_set1_ps(Rows ? x[m * ldx + k] : x[k * ldx + m]);
@@ -53,10 +69,9 @@ AVX512 static inline void panel_block_f32(const float* panel, const float* x, in
 
 // One k of a bfloat16 panel (a pair row, wk) against MR rows' pairs of x (32-bit lanes).
 template <int MR>
-AVX512_BF16 static inline void panel_pair_bf16(const bf16* wk, const uint32_t* pairs, PanelAcc<MR>& acc, bool prefetch) {
+AVX512_BF16 static inline void panel_pair_bf16(const bf16* wk, const uint32_t* pairs, PanelAcc<MR>& acc, bool once) {
   constexpr int64_t ahead = kPanelPrefetchBytes / sizeof(bf16);
-  if (prefetch)
-    for (int v = 0; v < kPanelVectors; ++v) _mm_prefetch(reinterpret_cast<const char*>(wk + ahead + 32 * v), _MM_HINT_T0);
+  for (int v = 0; v < kPanelVectors; ++v) prefetch_panel(wk + ahead + 32 * v, once);
   const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wk), w1 = (__m512bh)_mm512_loadu_si512(wk + 32),
                  w2 = (__m512bh)_mm512_loadu_si512(wk + 64);
   for (int m = 0; m < MR; ++m) {
@@ -69,10 +84,10 @@ AVX512_BF16 static inline void panel_pair_bf16(const bf16* wk, const uint32_t* p
 
 // bfloat16: each k of the panel is a pair of x's values, one 32-bit lane: of its row as stored
 // (Rows), else of the transposed pairs ([K/2][ldx] lanes, panel_transpose). The last pair of an odd
-// K ends in a zero. prefetch: ask for the panel kPanelPrefetchBytes ahead (panel_prefetches).
+// K ends in a zero. once: the panel is read by this block alone (prefetch_panel).
 template <int MR, bool Rows>
 AVX512_BF16 static inline void panel_block_bf16(const bf16* panel, const bf16* x, int64_t ldx, int64_t K,
-                                                PanelAcc<MR>& acc, bool prefetch) {
+                                                PanelAcc<MR>& acc, bool once) {
   for (int m = 0; m < MR; ++m)
     for (int v = 0; v < kPanelVectors; ++v) acc[m][v] = _mm512_setzero_ps();
   const auto pair = [x, ldx](int m, int64_t k) { return Rows ? x + m * ldx + 2 * k : x + 2 * (k * ldx + m); };
@@ -80,11 +95,11 @@ AVX512_BF16 static inline void panel_block_bf16(const bf16* panel, const bf16* x
   const int64_t whole = K / 2;
   for (int64_t k = 0; k < whole; ++k) {
     for (int m = 0; m < MR; ++m) std::memcpy(pairs + m, pair(m, k), sizeof(uint32_t));
-    panel_pair_bf16<MR>(panel + k * 2 * kPanelWidth, pairs, acc, prefetch);
+    panel_pair_bf16<MR>(panel + k * 2 * kPanelWidth, pairs, acc, once);
   }
   if (K % 2) {  // the row's last value alone: nothing past it is read
     for (int m = 0; m < MR; ++m) pairs[m] = pair(m, whole)->x;
-    panel_pair_bf16<MR>(panel + whole * 2 * kPanelWidth, pairs, acc, prefetch);
+    panel_pair_bf16<MR>(panel + whole * 2 * kPanelWidth, pairs, acc, once);
   }
 }
 
@@ -221,35 +236,35 @@ AVX512 static inline void panel_store(PanelAcc<MR>& acc, const W* bias, W* y, in
 // rows: x as stored (else transposed; see panel_reads_rows).
 template <int MR>
 AVX512 static void panel_rows(const float* panel, const void* x, int64_t ldx, int64_t K, const float* bias,
-                              float* y, int64_t N, int64_t m0, int64_t n0, float* vals, bool rows, bool) {
+                              float* y, int64_t N, int64_t m0, int64_t n0, float* vals, bool rows, bool once) {
   PanelAcc<MR> acc;
   const float* xf = static_cast<const float*>(x);
   if (rows)
-    panel_block_f32<MR, true>(panel, xf + m0 * ldx, ldx, K, acc);
+    panel_block_f32<MR, true>(panel, xf + m0 * ldx, ldx, K, acc, once);
   else
-    panel_block_f32<MR, false>(panel, xf + m0, ldx, K, acc);
+    panel_block_f32<MR, false>(panel, xf + m0, ldx, K, acc, once);
   panel_store<MR>(acc, bias, y, N, m0, n0, vals);
 }
 
 template <int MR>
 AVX512_BF16 static void panel_rows(const bf16* panel, const void* x, int64_t ldx, int64_t K, const bf16* bias,
-                                   bf16* y, int64_t N, int64_t m0, int64_t n0, float* vals, bool rows, bool prefetch) {
+                                   bf16* y, int64_t N, int64_t m0, int64_t n0, float* vals, bool rows, bool once) {
   PanelAcc<MR> acc;
   const bf16* xb = static_cast<const bf16*>(x);
   if (rows)
-    panel_block_bf16<MR, true>(panel, xb + m0 * ldx, ldx, K, acc, prefetch);
+    panel_block_bf16<MR, true>(panel, xb + m0 * ldx, ldx, K, acc, once);
   else
-    panel_block_bf16<MR, false>(panel, xb + 2 * m0, ldx, K, acc, prefetch);
+    panel_block_bf16<MR, false>(panel, xb + 2 * m0, ldx, K, acc, once);
   panel_store<MR>(acc, bias, y, N, m0, n0, vals);
 }
 
 template <typename W>
 static void panel_group(const W* panel, const void* x, int64_t ldx, int64_t K, const W* bias, W* y, int64_t N,
-                        int64_t m0, int64_t rows, int64_t n0, float* vals, bool as_stored, bool prefetch) {
+                        int64_t m0, int64_t rows, int64_t n0, float* vals, bool as_stored, bool once) {
   switch (rows) {
 #define PANEL_CASE(r) \
   case r:             \
-    return panel_rows<r>(panel, x, ldx, K, bias, y, N, m0, n0, vals, as_stored, prefetch);
+    return panel_rows<r>(panel, x, ldx, K, bias, y, N, m0, n0, vals, as_stored, once);
     PANEL_CASE(1) PANEL_CASE(2) PANEL_CASE(3) PANEL_CASE(4) PANEL_CASE(5) PANEL_CASE(6) PANEL_CASE(7) PANEL_CASE(8)
 #undef PANEL_CASE
   }
@@ -500,18 +515,6 @@ static void panel_transpose(const W* xp, int64_t ldr, int64_t M, int64_t K, std:
   panel_transpose_rows(xp, ldr, M, K, 0, M, scratch.data());
 }
 
-// Whether the AVX-512 register blocks ask for their panel ahead of their reads (float32 always). A
-// bfloat16 weight read in one pass (one register block: up to kPanelRows rows of x) is one stream
-// the hardware prefetcher follows, and on a 2-core Zen 4 asking too made batch-1 decode 1.06x slower
-// (in one process, the two taking turns: 0.94x the time per token without, the kernel alone over the
-// embedded model's shapes 0.93-0.95x; 8 rows alike; float32 batch-1 1.03x faster with it, and keeps
-// it); so AMD CPUs go without. Intel ones keep it, as the kernel was written there (not measured
-// without).
-template <typename W>
-static bool panel_prefetches(int64_t blocks) {
-  return std::is_same_v<W, float> || blocks > 1 || cpu_is_intel();
-}
-
 // Panels p0..p1 of a weight (pp: pack_panels(weight), K inputs, N outputs, bias bp or null) against
 // M rows of x: as stored, ldx values apart, where panel_reads_rows(M), else as panel_transpose leaves
 // them (ldx unused): into yp ([M, N]), or with yp null into state (panel_argmax).
@@ -524,7 +527,7 @@ static void panel_range(const W* pp, const void* x, int64_t ldx, int64_t M, int6
   // Row blocks of near-equal size (12 rows: two of 6, not 8 and 4).
   const int64_t blocks = (M + kPanelRows - 1) / kPanelRows;
   const bool avx2 = !cpu_has_avx512();
-  const bool prefetch = panel_prefetches<W>(blocks), as_stored = panel_reads_rows(M);
+  const bool once = blocks == 1, as_stored = panel_reads_rows(M);
   if (!as_stored) ldx = M;
   thread_local std::vector<float> vals;  // the panel's outputs for the argmax: [M][48]
   if (!yp) vals.resize(M * kPanelWidth);
@@ -539,7 +542,7 @@ static void panel_range(const W* pp, const void* x, int64_t ldx, int64_t M, int6
     for (int64_t b = 0, m0 = 0; b < blocks; ++b) {
       const int64_t rows = M / blocks + (b < M % blocks ? 1 : 0);
       panel_group<W>(pp + p * panel_values, x, ldx, K, bp, yp, N, m0, rows, p * kPanelWidth, vals.data(),
-                     as_stored, prefetch);
+                     as_stored, once);
       m0 += rows;
     }
     if (!yp) panel_argmax_update(vals.data(), M, std::min(kPanelWidth, N - p * kPanelWidth), p * kPanelWidth, 0, *state);
